@@ -10,7 +10,14 @@ Invariant: knows nothing of queues, HTTP or scheduling policy; executes plans as
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
+import traceback
+from collections.abc import Callable
+
 import msgspec
+import multiprocess
 
 from pypto_serving.loader.arch import ModelArch
 from pypto_serving.sampling import SamplingParams
@@ -57,13 +64,13 @@ class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):
     sampling: SamplingParams | None = None
 
 
-class StepPlan(msgspec.Struct, frozen=True):
+class StepPlan(msgspec.Struct, frozen=True, tag=True):
     step_id: int
     seqs: list[ScheduledSeq]
     finished: list[int] = []  # sequence ids whose state the worker can drop
 
 
-class Shutdown(msgspec.Struct, frozen=True):
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
@@ -88,7 +95,148 @@ class StepResult(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
-class WorkerReady(msgspec.Struct, frozen=True):
+class WorkerReady(msgspec.Struct, frozen=True, tag=True):
     num_blocks: int
     weight_bytes: int
     kv_cache_bytes: int
+
+
+class WorkerFailed(msgspec.Struct, frozen=True, tag=True):
+    message: str
+
+
+# -- the worker process ------------------------------------------------------------
+
+
+def worker_main(conn: object, config: bytes) -> None:
+    """Entry point of the device-worker process: handshake, then one result per plan."""
+    encoder = msgspec.msgpack.Encoder()
+    cfg = msgspec.msgpack.decode(config, type=WorkerConfig)
+    try:
+        runner = _build_runner(cfg)
+    except Exception as exc:  # reported to the parent, which exits with the message
+        conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        return
+    conn.send_bytes(encoder.encode(
+        WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes)))
+    _serve(conn, runner, encoder)
+
+
+def _build_runner(cfg: WorkerConfig) -> object:
+    from pypto_serving.worker.model_runner import ModelRunner  # torch only in this process
+
+    return ModelRunner(cfg)
+
+
+def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder) -> None:
+    decoder = msgspec.msgpack.Decoder(StepPlan | Shutdown)
+    while True:
+        try:
+            msg = decoder.decode(conn.recv_bytes())
+        except EOFError:  # the parent is gone: leave no orphan behind
+            return
+        match msg:
+            case StepPlan():
+                conn.send_bytes(encoder.encode(_execute(runner, msg)))
+            case Shutdown():
+                return
+
+
+def _execute(runner: object, plan: StepPlan) -> StepResult:
+    try:
+        return runner.execute(plan)
+    except Exception as exc:
+        traceback.print_exc()
+        return StepResult(plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}")
+
+
+# -- the main-process side -----------------------------------------------------------
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+class DeviceWorkerClient:
+    """Starts one worker process and moves plans and results over its pipe.
+
+    Results and the worker's death are reported through callbacks on the event loop.
+    """
+
+    def __init__(self, cfg: WorkerConfig, on_result: Callable[[StepResult], None],
+                 on_death: Callable[[str], None]):
+        self.cfg = cfg
+        self._on_result = on_result
+        self._on_death = on_death
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StepResult)
+        self._conn = None
+        self.process = None
+        self._stopping = False
+        self._gone = False
+
+    async def start(self) -> WorkerReady:
+        ctx = multiprocess.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        config = self._encoder.encode(self.cfg)
+        self.process = ctx.Process(target=worker_main, args=(child, config), daemon=True,
+                                   name=f"device-worker-{self.cfg.device}")
+        self.process.start()
+        child.close()
+        ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._conn.fileno(), self._readable)
+        loop.add_reader(self.process.sentinel, self._exited)
+        return ready
+
+    def _handshake(self) -> WorkerReady:
+        try:
+            data = self._conn.recv_bytes()
+        except EOFError:
+            raise WorkerStartError(f"device worker exited with code {self.process.exitcode} "
+                                   "before it was ready") from None
+        msg = msgspec.msgpack.decode(data, type=WorkerReady | WorkerFailed)
+        if isinstance(msg, WorkerFailed):
+            raise WorkerStartError(msg.message)
+        return msg
+
+    def send(self, plan: StepPlan) -> None:
+        try:
+            self._conn.send_bytes(self._encoder.encode(plan))
+        except (BrokenPipeError, OSError) as exc:
+            self._on_death(f"device worker pipe closed: {exc}")
+
+    def _readable(self) -> None:
+        try:
+            data = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            self._exited()
+            return
+        self._on_result(self._decoder.decode(data))
+
+    def _exited(self) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._conn.fileno())
+        loop.remove_reader(self.process.sentinel)
+        if not self._stopping:
+            self.process.join(0.1)
+            self._on_death(f"device worker {self.cfg.device} died (exit code {self.process.exitcode})")
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Asks the worker to exit, then makes sure it did."""
+        self._stopping = True
+        if self.process is None or not self.process.is_alive():
+            return
+        try:
+            self._conn.send_bytes(self._encoder.encode(Shutdown()))
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout
+        while self.process.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.process.is_alive():
+            os.kill(self.process.pid, 9)
+        self.process.join(1)

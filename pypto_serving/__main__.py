@@ -1,0 +1,5 @@
+import sys
+
+from pypto_serving.cli import main
+
+sys.exit(main())

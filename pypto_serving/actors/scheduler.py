@@ -1,0 +1,140 @@
+"""SchedulerActor: continuous batching for one replica.
+
+Receives `Submit`, `Abort` (from request actors), `Allocated` (from the KV allocator),
+`StepResult` (from the device worker), `WorkerDied`.
+Sends `Allocate`/`Free` to the KV allocator, one `StepPlan` at a time to the device worker,
+`Tokens` to request actors.
+State owned: a pure `Scheduler` (queues and sequences) and who to reply to per sequence.
+Invariants: at most one step is being allocated or executed at a time; every sequence
+that ends has its blocks freed and its request told, exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from pypto_serving.actors.base import Actor, unknown
+from pypto_serving.actors.device_worker import StepPlan, StepResult
+from pypto_serving.actors.kv_allocator import Allocate, Allocated, Free
+from pypto_serving.actors import request as request_msgs
+from pypto_serving.core.scheduler import Scheduler, TokenEvent
+from pypto_serving.core.sequence import Sequence
+from pypto_serving.sampling import SamplingParams
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    seq_id: int
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    reply_to: Actor
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    seq_id: int
+    reason: str  # "aborted" (client gone) or "stop" (stop string matched)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDied:
+    reason: str
+
+
+class StepRunner(Protocol):
+    def send(self, plan: StepPlan) -> None: ...
+
+
+class SchedulerActor(Actor):
+    def __init__(self, scheduler: Scheduler, kv: Actor, worker: StepRunner):
+        super().__init__()
+        self.scheduler = scheduler
+        self.kv = kv
+        self.worker = worker
+        self._reply_to: dict[int, Actor] = {}
+        self._busy = False  # an Allocate or a StepPlan is outstanding
+        self.dead_reason: str | None = None
+
+    async def receive(self, msg: object) -> None:
+        match msg:
+            case Submit():
+                self._submit(msg)
+            case Abort(seq_id, reason):
+                self._abort(seq_id, reason)
+            case Allocated(demands, allocation):
+                self._busy = False
+                self._run_step(self.scheduler.commit(list(demands), allocation), allocation)
+            case StepResult():
+                self._busy = False
+                self._apply(msg)
+            case WorkerDied(reason):
+                self._die(reason)
+            case _:
+                unknown(self, msg)
+
+    def _submit(self, msg: Submit) -> None:
+        if self.dead_reason is not None:
+            msg.reply_to.tell(request_msgs.Tokens(msg.seq_id, (), "error", error=self.dead_reason))
+            return
+        seq = Sequence(msg.seq_id, msg.prompt_ids, msg.max_tokens, msg.sampling, msg.stop_token_ids)
+        self.scheduler.add(seq)
+        self._reply_to[msg.seq_id] = msg.reply_to
+        self._kick()
+
+    def _abort(self, seq_id: int, reason: str) -> None:
+        seq = self.scheduler.abort(seq_id, reason)
+        if seq is not None:
+            self._finish(seq)
+
+    def _kick(self) -> None:
+        if self._busy or not self.scheduler.has_work or self.dead_reason is not None:
+            return
+        self._busy = True
+        self.kv.tell(Allocate(tuple(self.scheduler.propose()), self))
+
+    def _run_step(self, plan: StepPlan | None, allocation) -> None:
+        if plan is not None:
+            self._busy = True
+            self.worker.send(plan)
+        elif allocation.preempted:
+            self._kick()  # blocks were freed: someone can run now
+
+    def _apply(self, result: StepResult) -> None:
+        if result.error is not None:
+            self._die(f"device worker failed: {result.error}")
+            return
+        events, ended = self.scheduler.on_result(result)
+        for event in events:
+            self._deliver(event)
+        for seq in ended:
+            self._finish(seq, told=True)
+        self._kick()
+
+    def _deliver(self, event: TokenEvent) -> None:
+        reply_to = self._reply_to.get(event.seq.seq_id)
+        if reply_to is not None:
+            reply_to.tell(request_msgs.Tokens(event.seq.seq_id, (event.token_id,), event.finish_reason,
+                                 logprobs=(event.logprob,), top_logprobs=(event.top_logprobs,),
+                                 num_cached_tokens=event.seq.num_cached_tokens or 0))
+
+    def _finish(self, seq: Sequence, told: bool = False) -> None:
+        self.kv.tell(Free(seq.seq_id, seq.num_computed))
+        reply_to = self._reply_to.pop(seq.seq_id, None)
+        if reply_to is not None and not told:
+            reply_to.tell(request_msgs.Tokens(seq.seq_id, (), seq.finish_reason,
+                                 num_cached_tokens=seq.num_cached_tokens or 0))
+
+    def _die(self, reason: str) -> None:
+        log.error("engine stopped", reason=reason)
+        self.dead_reason = reason
+        for seq in self.scheduler.fail_all("error"):
+            reply_to = self._reply_to.pop(seq.seq_id, None)
+            if reply_to is not None:
+                reply_to.tell(request_msgs.Tokens(seq.seq_id, (), "error", error=reason))

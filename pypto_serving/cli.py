@@ -1,0 +1,98 @@
+"""`pypto-serving`: command-line flags, checked before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from pypto_serving.packaged_models import DEFAULT_MODEL
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PROFILE_LEVELS = ("e2e", "kernel", "verbose")
+
+
+class FlagError(ValueError):
+    """A bad flag value: one line naming the flag, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _size(value: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    text = value.strip().lower()
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    return int(text)
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def _device_list(value: str) -> list[int]:
+    try:
+        ids = [int(v) for v in value.replace(" ", "").split(",") if v != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"device ids must be integers, got {value!r}") from None
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"device ids must be distinct non-negative integers, got {value!r}")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pypto-serving", description="OpenAI-compatible LLM inference server.")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="HF checkpoint directory, .gguf file or packaged model name (smollm2, "
+                        "qwen2.5-coder-0.5b)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--backend", choices=("cpu", "cuda", "npu"), default=None)
+    p.add_argument("--platform", default="a2a3")
+    p.add_argument("--device", type=_device_list, default=None, dest="device")
+    p.add_argument("--devices", type=_device_list, default=None)
+    p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1)
+    p.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1)
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--kv-cache-dtype", choices=DTYPES, default="auto")
+    p.add_argument("--max-model-len", type=_positive_int, default=1024)
+    p.add_argument("--block-size", type=_positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=4096)
+    p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=2048)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--kv-cache-memory", type=_size, default=None,
+                   help="KV cache budget on the CPU, e.g. 1GiB (default 1GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of accelerator memory for weights and KV cache")
+    p.add_argument("--generate-config", default=None,
+                   help="server sampling defaults: a JSON object or @path.json")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prompt", action="append", default=None,
+                   help="offline mode: generate for this prompt (repeatable) and exit")
+    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pypto_serving.launch import launch  # heavy imports only after the flags parse
+
+    try:
+        return launch(args)
+    except FlagError as exc:
+        print(f"pypto-serving: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

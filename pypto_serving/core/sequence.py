@@ -1,0 +1,88 @@
+"""A sequence as the scheduler sees it: token ids, counters and its block table."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pypto_serving.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One generation stream. `num_computed` tokens have their KV in the cache; the rest
+    (`num_pending`) still have to go through the model. Changes only through the methods."""
+
+    seq_id: int
+    prompt_ids: tuple[int, ...]
+    max_tokens: int  # new tokens allowed (already capped to the context room)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_sent_blocks: int = 0  # block-table prefix the device worker already has
+    needs_reset: bool = True  # the worker must (re)start this sequence on its next chunk
+    num_cached_tokens: int | None = None  # prefix-cache hit on first admission
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_ids)
+        head = list(self.prompt_ids[start:min(end, prompt_len)])
+        tail = self.output_ids[max(start - prompt_len, 0):max(end - prompt_len, 0)]
+        return head + tail
+
+    def admit(self, block_ids: list[int], num_cached: int) -> None:
+        self.status = SeqStatus.RUNNING
+        self.block_ids = block_ids
+        self.num_computed = num_cached
+        self.num_sent_blocks = 0
+        self.needs_reset = True
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = num_cached
+
+    def preempt(self) -> None:
+        """Back to waiting; its KV is dropped and recomputed on re-admission."""
+        self.status = SeqStatus.WAITING
+        self.block_ids = []
+        self.num_computed = 0
+        self.num_sent_blocks = 0
+        self.needs_reset = True
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+
+    def finish(self, reason: str) -> None:
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+
+    def stop_reason(self, max_model_len: int) -> str | None:
+        """Why the sequence ends after its newest token, or None to go on."""
+        if self.output_ids and self.output_ids[-1] in self.stop_token_ids:
+            return "eos"  # http/ reports it as "stop"; offline mode prints "eos"
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,62 @@
+"""The typed request that http/ builds and the events a request produces.
+
+No JSON below http/: handlers turn bodies into `GenerateRequest`, the engine answers with
+`Started`, `TextDelta` and `Finished` events that handlers render as JSON or SSE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pypto_serving.sampling import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """Bad input: becomes an HTTP 400 whose message says what to change."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ChatInput:
+    messages: tuple[dict, ...]
+    tools: tuple[dict, ...] | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One generation. `prompt` is text or token ids (completions) or a `ChatInput`."""
+
+    request_id: str
+    prompt: str | tuple[int, ...] | ChatInput
+    max_tokens: int | None  # None: up to the context limit
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: str  # stop, eos, length, aborted, error
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    error: str | None = None

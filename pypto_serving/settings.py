@@ -1,0 +1,123 @@
+"""From parsed flags to the frozen per-component configs, validating as it goes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pypto_serving.actors.device_worker import WorkerConfig
+from pypto_serving.actors.request import RequestLimits
+from pypto_serving.cli import FlagError
+from pypto_serving.core.scheduler import SchedulerConfig
+from pypto_serving.engine import CacheConfig, EngineConfig
+from pypto_serving.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
+from pypto_serving.model_source import ModelSource
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+_BLOCK_SIZES = {"cpu": 16, "cuda": 16, "npu": 128}
+_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "npu": "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    engine: EngineConfig
+    defaults: GenerateDefaults
+    served_name: str
+    backend: str
+    platform: str
+    devices: tuple[int, ...]
+    host: str
+    port: int
+
+
+def _torch_has_cuda() -> bool:
+    """Reads torch's build info (torch/version.py) without importing torch here."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    version = Path(spec.origin).parent / "version.py"
+    lines = version.read_text().splitlines() if version.is_file() else []
+    cuda = [line for line in lines if line.startswith("cuda")]
+    return bool(cuda) and not cuda[0].rstrip().endswith("None")
+
+
+def pick_backend(requested: str | None) -> str:
+    has_npu = importlib.util.find_spec("torch_npu") is not None
+    if requested == "npu" and not has_npu:
+        raise FlagError("--backend npu needs torch_npu, which is not installed "
+                        "(pip install torch-npu)")
+    has_cuda = _torch_has_cuda() and os.path.exists("/dev/nvidia0")
+    if requested == "cuda" and not has_cuda:
+        raise FlagError("--backend cuda needs a CUDA build of torch and an NVIDIA device; "
+                        "neither was found (use --backend cpu)")
+    if requested is not None:
+        return requested
+    return "cuda" if has_cuda else "npu" if has_npu else "cpu"
+
+
+def _devices(args: argparse.Namespace) -> tuple[int, ...]:
+    if args.device is not None and args.devices is not None:
+        raise FlagError("--device and --devices: give only one of them")
+    ids = tuple(args.devices or args.device or [0])
+    if args.tensor_parallel_size * args.data_parallel_size != len(ids):
+        raise FlagError(f"--devices: {len(ids)} device(s) given but --dp x --tp is "
+                        f"{args.data_parallel_size * args.tensor_parallel_size}")
+    if len(ids) > 1:
+        raise FlagError("--tensor-parallel-size/--data-parallel-size above 1 are not "
+                        "supported yet: serve on one device")
+    return ids
+
+
+def _scheduler(args: argparse.Namespace) -> SchedulerConfig:
+    if not args.enable_chunked_prefill and args.max_num_batched_tokens < args.max_model_len:
+        raise FlagError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at "
+                        f"least --max-model-len ({args.max_model_len}) without chunked prefill")
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_model_len=args.max_model_len,
+    )
+
+
+def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], GenerateDefaults]:
+    """Everything that can be checked before the model is looked at."""
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise FlagError("--gpu-memory-utilization must be in (0, 1]")
+    if not 0 < args.port < 65536:
+        raise FlagError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        defaults = parse_generate_config(args.generate_config)
+    except GenerateConfigError as exc:
+        raise FlagError(f"--generate-config: {exc}") from None
+    _scheduler(args)
+    return pick_backend(args.backend), _devices(args), defaults
+
+
+def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSettings:
+    backend, devices, defaults = check_flags(args)
+    if args.max_model_len > source.arch.max_position_embeddings:
+        raise FlagError(f"--max-model-len {args.max_model_len} exceeds the model's context "
+                        f"length ({source.arch.max_position_embeddings})")
+    block_size = args.block_size or _BLOCK_SIZES[backend]
+    dtype = _DTYPES[backend] if args.dtype == "auto" else args.dtype
+    worker = WorkerConfig(
+        model_path=str(source.path), model_format=source.format, arch=source.arch,
+        dtype=dtype, kv_cache_dtype=dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        backend=backend, device="cpu" if backend == "cpu" else f"{backend}:{devices[0]}",
+        block_size=block_size,
+        max_num_blocks=2 * args.max_num_seqs * math.ceil(args.max_model_len / block_size),
+        kv_cache_bytes=args.kv_cache_memory or DEFAULT_CPU_KV_BYTES,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    engine = EngineConfig(worker, _scheduler(args), CacheConfig(block_size, args.enable_prefix_caching),
+                          RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len))
+    return ServerSettings(engine, defaults, args.served_model_name or source.default_name, backend,
+                          args.platform, devices, args.host, args.port)
