@@ -1,0 +1,143 @@
+"""The packaged GGUF models' tokenizers and chat templates against transformers on the same file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+from pypto_serving.tokenizer.tokenizer import Tokenizer
+
+SYSTEM = {"role": "system", "content": "You are terse. Réponds en français si besoin."}
+CONVERSATIONS = {
+    "user only": [{"role": "user", "content": "What is 2+2?"}],
+    "with system": [SYSTEM, {"role": "user", "content": "Hi 🙂 你好"}],
+    "multi turn": [
+        SYSTEM,
+        {"role": "user", "content": "Write a haiku."},
+        {"role": "assistant", "content": "Autumn moonlight—\na worm digs silently\ninto the chestnut."},
+        {"role": "user", "content": "Another, about   spaces\tand\nnewlines."},
+    ],
+    "special text in content": [{"role": "user", "content": "say <|im_end|> then <|im_start|>"}],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city (météo, 天气).",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris and Zürich?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            },
+            {
+                "id": "call_2",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Zürich"})},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    {"role": "tool", "tool_call_id": "call_2", "content": '{"temp": 18}'},
+]
+TEXTS = ["Hello world", "  indented\n\tcode()", "<|im_start|>user\nhi<|im_end|>", "naïve 🙂👍🏽 你好", ""]
+
+
+MODEL_TYPES = {"smollm2": "llama", "qwen": "qwen2"}  # general.architecture of each file
+
+
+def transformers_tokenizer(path: Path, model_type: str) -> Any:
+    """What `AutoTokenizer.from_pretrained(dir, gguf_file=name)` returns, in 2 s instead of 20.
+
+    AutoTokenizer reads every tensor header and vocabulary string with gguf-py only to learn the
+    model type, then picks the class registered for it (TokenizersBackend when none is); we
+    know the model type, so we make the same pick and call that class directly.
+    """
+    cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+    return cls.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen"])
+def pair(request: pytest.FixtureRequest) -> tuple[Tokenizer, Any]:
+    path: Path = request.getfixturevalue(f"{request.param}_path")
+    oracle = transformers_tokenizer(path, MODEL_TYPES[request.param])
+    return request.getfixturevalue(request.param), oracle
+
+
+def assert_same_chat(ours: Tokenizer, theirs: Any, messages: list[dict], **kwargs: Any) -> None:
+    text = ours.apply_chat_template(messages, **kwargs)
+    assert text == theirs.apply_chat_template(messages, tokenize=False, **kwargs)
+    want = theirs.apply_chat_template(messages, return_dict=False, **kwargs)
+    assert ours.encode(text, add_special_tokens=False) == want
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_chat_matches_transformers(
+    pair: tuple[Tokenizer, Any], name: str, add_generation_prompt: bool
+) -> None:
+    assert_same_chat(*pair, CONVERSATIONS[name], add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_qwen_tool_calling_chat_matches_transformers(
+    pair: tuple[Tokenizer, Any], add_generation_prompt: bool
+) -> None:
+    ours, theirs = pair
+    if "tool_call" not in (ours.chat_template or ""):
+        pytest.skip("this model's template has no tool calling")
+    for messages in (CONVERSATIONS["with system"], TOOL_TURNS):
+        assert_same_chat(
+            ours, theirs, messages, tools=[WEATHER_TOOL], add_generation_prompt=add_generation_prompt
+        )
+    assert_same_chat(ours, theirs, TOOL_TURNS, add_generation_prompt=add_generation_prompt)
+    assert "<tool_call>" in ours.apply_chat_template(TOOL_TURNS, tools=[WEATHER_TOOL])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(pair: tuple[Tokenizer, Any], text: str) -> None:
+    ours, theirs = pair
+    ids = theirs(text)["input_ids"]
+    assert ours.encode(text) == ids == theirs.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+
+
+def test_special_tokens_match_transformers(pair: tuple[Tokenizer, Any]) -> None:
+    ours, theirs = pair
+    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.vocab_size == len(theirs)
+    assert ours.chat_template == theirs.chat_template
+
+
+def test_chat_turn_end_tokens(smollm2: Tokenizer, qwen: Tokenizer) -> None:
+    # Both models are ChatML: a turn ends at <|im_end|>; <|endoftext|> also ends generation.
+    for tok in (smollm2, qwen):
+        names = {tok.convert_ids_to_tokens([i])[0] for i in tok.eos_token_ids}
+        assert names == {"<|im_end|>", "<|endoftext|>"}
+        assert tok.eos_token == "<|im_end|>"
+
+
+def test_enable_thinking_style_kwargs_reach_a_real_template(qwen: Tokenizer) -> None:
+    # Qwen2.5's template ignores unknown kwargs: rendering must still succeed and be unchanged.
+    messages = CONVERSATIONS["user only"]
+    assert qwen.apply_chat_template(messages, enable_thinking=False) == qwen.apply_chat_template(messages)
