@@ -18,6 +18,7 @@ from pypto_serving.requests import ChatInput, GenerateRequest, InvalidRequest
 from pypto_serving.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 32
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -39,7 +40,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionBody(_SamplingFields, kw_only=True):
-    prompt: str | list[int] | list[str] = ""
+    prompt: str | list[int | str] = ""
 
 
 class Message(msgspec.Struct, kw_only=True):
@@ -132,7 +133,7 @@ def _positive(value: int | None, field: str) -> int | None:
 def completion_request(body: CompletionBody, defaults: GenerateDefaults) -> GenerateRequest:
     _reject_unsupported(body)
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and not all(type(t) is int for t in prompt):
         raise InvalidRequest("'prompt' must be one string or one list of token ids; "
                              "batches of prompts are not supported", "prompt")
     max_tokens = _positive(_pick(body.max_tokens, defaults.max_new_tokens), "max_tokens")
@@ -159,6 +160,10 @@ def chat_request(body: ChatBody, defaults: GenerateDefaults) -> GenerateRequest:
         raise InvalidRequest(f"'min_tokens' must be between 0 and the maximum new tokens "
                              f"({max_tokens}), got {min_tokens}", "min_tokens")
     ignore_eos = defaults.ignore_eos if body.ignore_eos is None else body.ignore_eos
+    reserved = RESERVED_TEMPLATE_KWARGS & set(body.chat_template_kwargs or {})
+    if reserved:
+        raise InvalidRequest(f"'chat_template_kwargs' must not set {', '.join(sorted(reserved))}: "
+                             "use the request fields of the same name", "chat_template_kwargs")
     return GenerateRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         prompt=ChatInput(_messages(body.messages), None, dict(body.chat_template_kwargs or {}),

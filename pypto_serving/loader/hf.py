@@ -1,0 +1,110 @@
+"""Hugging Face checkpoint directories: `config.json` -> ModelArch, `*.safetensors` -> tensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from pypto_serving.loader.arch import ModelArch, RopeScaling
+from pypto_serving.loader.errors import UnsupportedModel
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
+    """The ModelArch of a `config.json`; UnsupportedModel for anything we cannot run."""
+    family = _family(config)
+    _check_supported_options(config)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    return ModelArch(
+        family=family,
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        # Mistral configs carry "head_dim": null; Qwen3 sets it independently of hidden/heads.
+        head_dim=config.get("head_dim") or hidden // heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(config),
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and its config has no attention_bias key.
+        attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        rope_scaling=_rope_scaling(config),
+    )
+
+
+def _family(config: dict[str, Any]) -> str:
+    for name in config.get("architectures") or []:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    if config.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[config["model_type"]]
+    found = config.get("architectures") or config.get("model_type") or "unknown"
+    raise UnsupportedModel(f"unsupported model architecture {found!r}; supported: {', '.join(ARCHITECTURES)}")
+
+
+def _check_supported_options(config: dict[str, Any]) -> None:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+    if config.get("mlp_bias"):
+        raise UnsupportedModel("unsupported mlp_bias=true; only bias-free MLPs are supported")
+
+
+def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes "rope_parameters" (theta inside); older configs use
+    # top-level "rope_theta" and "rope_scaling".
+    return config.get("rope_scaling") or config.get("rope_parameters") or {}
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    return float(theta or 10000.0)
+
+
+def _rope_scaling(config: dict[str, Any]) -> RopeScaling | None:
+    params = _rope_params(config)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise UnsupportedModel(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+
+
+def load_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every `*.safetensors` shard, as stored (bf16/fp16/fp32), on the CPU."""
+    shards = sorted(Path(model_dir).glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
