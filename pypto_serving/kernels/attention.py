@@ -1,0 +1,110 @@
+"""Paged attention over flattened varlen tokens, portable torch (SDPA on gathered pages).
+
+Decode-like sequences (one query this step) run as one batched SDPA padded to the longest
+context; each multi-token chunk (prefill, possibly after a cached prefix) runs its own SDPA
+over its whole context, causal within the chunk. The metadata is built once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pypto_serving.kernels.paged_kv import gather_kv
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSegment:
+    start: int  # first row of the chunk in the flattened tokens
+    end: int
+    ctx_slots: torch.Tensor  # [L] slots of positions 0..L-1 (prefix + this chunk)
+    mask: torch.Tensor | None  # [q, L] True = attend; None = plain causal, no prefix
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each token's k/v is written
+    decode_rows: torch.Tensor | None  # [Bd] flattened row of each single-query sequence
+    decode_slots: torch.Tensor | None  # [Bd, L] context slots, padded to the longest
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] True = a real context position
+    prefills: tuple[PrefillSegment, ...]
+    all_decode: bool  # every row is a single-query sequence, in order: no scatter needed
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, heads, head_dim] attends to the cached context of its sequence -> [T, heads, d]."""
+    if meta.all_decode:
+        return decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        dq = q[meta.decode_rows]
+        dout = decode_attention(dq, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
+        out[meta.decode_rows] = dout
+    for seg in meta.prefills:
+        out[seg.start : seg.end] = prefill_attention(
+            q[seg.start : seg.end], k_cache, v_cache, seg.ctx_slots, seg.mask, scale
+        )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence: q [B, H, d], slots [B, L], mask [B, 1, 1, L] -> [B, H, d].
+
+    Plain matmuls, not SDPA: with one query row and a mask, CPU SDPA is ~10x slower.
+    """
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    # Query heads sharing a kv head become that head's query rows: GQA without copying K/V.
+    qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)
+    k = gather_kv(k_cache, slots).to(q.dtype).permute(0, 2, 3, 1)  # [B, kv_heads, d, L]
+    v = gather_kv(v_cache, slots).to(q.dtype).transpose(1, 2)  # [B, kv_heads, L, d]
+    scores = torch.matmul(qg, k).float() * scale  # [B, kv_heads, group, L]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(batch, heads, head_dim)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ctx_slots: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """One chunk: q [q, H, d] over its context slots [L], mask [q, L] or causal -> [q, H, d]."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    k = gather_kv(k_cache, ctx_slots).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)
+    v = gather_kv(v_cache, ctx_slots).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+    )
+    return out.transpose(0, 1)
+
+
+def chunk_mask(start_pos: int, q_len: int, device: torch.device) -> torch.Tensor | None:
+    """[q, start_pos + q] causal mask of a chunk after `start_pos` cached tokens."""
+    if start_pos == 0:
+        return None
+    ctx = torch.arange(start_pos + q_len, device=device)
+    query_pos = torch.arange(start_pos, start_pos + q_len, device=device)
+    return ctx.unsqueeze(0) <= query_pos.unsqueeze(1)

@@ -1,0 +1,123 @@
+"""Batched sampler: one row of logits per sampled sequence.
+
+Order (as vLLM v1): min_tokens EOS mask -> penalties -> greedy argmax, or temperature ->
+min-p -> top-k/top-p -> exponential race. Each sampled row draws its noise from its own
+`torch.Generator`, so a seeded row gives the same tokens alone or in any batch.
+Logprobs are those of the model's raw logits (log_softmax before any processing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """One step's sampling settings, rows aligned with the logits. None = not used this step."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    generators: list[torch.Generator | None]  # [B], None for greedy rows
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] int64, 0 = no cut
+    top_p: torch.Tensor | None = None  # [B] float32
+    min_p: torch.Tensor | None = None  # [B] float32
+    presence: torch.Tensor | None = None  # [B] float32 (penalties: all three or none)
+    frequency: torch.Tensor | None = None  # [B] float32
+    repetition: torch.Tensor | None = None  # [B] float32
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None = None  # [B, V] float32: generated-token counts
+    banned: torch.Tensor | None = None  # [B, V] bool: EOS before min_tokens
+    logprobs: bool = False  # compute the chosen tokens' logprobs
+    top_logprobs: int = 0  # the largest top-k any row asked for
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] chosen token's logprob
+    top_ids: torch.Tensor | None  # [B, k]
+    top_logprobs: torch.Tensor | None  # [B, k]
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """logits [B, V] -> one token per row (plus logprobs when asked)."""
+    logits = logits.float()
+    raw = logits
+    if t.banned is not None:
+        logits = logits.masked_fill(t.banned, float("-inf"))
+    if t.repetition is not None:
+        logits = apply_penalties(logits, t)
+    tokens = logits.argmax(dim=-1)
+    if not t.all_greedy:
+        sampled = random_sample(process_for_sampling(logits, t), t.generators)
+        tokens = torch.where(t.temperature > 0, sampled, tokens)
+    return _with_logprobs(raw, tokens, t)
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Repetition (prompt + output, HF/vLLM rule), then OpenAI frequency and presence."""
+    counts = t.output_counts
+    seen = t.prompt_mask | (counts > 0)
+    rep = torch.where(seen, t.repetition.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - t.frequency.unsqueeze(1) * counts
+    return logits - t.presence.unsqueeze(1) * (counts > 0).float()
+
+
+def process_for_sampling(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Temperature, then the cuts; removed tokens get -inf."""
+    temp = torch.where(t.temperature > 0, t.temperature, 1.0)
+    logits = logits / temp.unsqueeze(1)
+    if t.min_p is not None:
+        logits = apply_min_p(logits, t.min_p)
+    if t.top_k is not None or t.top_p is not None:
+        logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's k most likely tokens, then the smallest set reaching mass top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        rank = torch.arange(logits.shape[1], device=logits.device)
+        k = torch.where(top_k > 0, top_k, logits.shape[1])
+        sorted_logits = sorted_logits.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        # Mass strictly before a token; the token that crosses top_p stays.
+        before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(before > top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def random_sample(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exponential race: argmax(p / E), E ~ Exp(1), is a draw from p (Gumbel-max in disguise)."""
+    probs = logits.softmax(dim=-1)
+    noise = torch.ones_like(probs)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    # An exact 0 draw would turn a removed token's 0 / 0 into NaN, which argmax picks.
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    if not t.logprobs:
+        return SamplerOutput(tokens, None, None, None)
+    logprobs = raw.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if t.top_logprobs == 0:
+        return SamplerOutput(tokens, chosen, None, None)
+    top_values, top_ids = logprobs.topk(t.top_logprobs, dim=-1)
+    return SamplerOutput(tokens, chosen, top_ids, top_values)

@@ -1,0 +1,70 @@
+"""Hugging Face tensor names -> our (partly fused) parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pypto_serving.loader.arch import ModelArch
+
+# HF projection -> (our fused module, shard index within its parameter rows).
+FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy every (HF name, tensor) into `model`, casting; fail on missing or unknown names."""
+    params = dict(model.named_parameters())
+    expected = {(name, s) for name in params for s in range(len(shard_rows(name, arch)))}
+    for hf_name, tensor in weights:
+        if hf_name.endswith(IGNORED_SUFFIXES) or _is_tied_head(hf_name, arch):
+            continue
+        name, shard = our_name(hf_name)
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+        _copy_shard(params[name], shard_rows(name, arch), shard, tensor, hf_name)
+        expected.discard((name, shard))
+    if expected:
+        missing = sorted({name for name, _ in expected})
+        raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing)}")
+
+
+def _is_tied_head(hf_name: str, arch: ModelArch) -> bool:
+    # Some tied checkpoints still store lm_head.weight; the embedding is the head.
+    return arch.tie_word_embeddings and hf_name == "lm_head.weight"
+
+
+def our_name(hf_name: str) -> tuple[str, int]:
+    """HF name -> (our parameter name, shard index)."""
+    for hf_part, (ours, shard) in FUSED.items():
+        if f".{hf_part}." in hf_name:
+            return hf_name.replace(hf_part, ours), shard
+    return hf_name, 0
+
+
+def shard_rows(name: str, arch: ModelArch) -> list[int]:
+    """Rows each checkpoint tensor fills in a parameter; [-1] = the whole parameter."""
+    if ".qkv_proj." in name:
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        return [q, kv, kv]
+    if ".gate_up_proj." in name:
+        return [arch.intermediate_size] * 2
+    return [-1]
+
+
+def _copy_shard(param: nn.Parameter, rows: list[int], shard: int, tensor: torch.Tensor, hf_name: str) -> None:
+    target = param.data
+    if rows != [-1]:
+        target = target.narrow(0, sum(rows[:shard]), rows[shard])
+    if target.shape != tensor.shape:
+        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)

@@ -1,0 +1,112 @@
+"""prepare: one StepPlan's sequences -> flattened input tensors + attention metadata.
+
+Built once per step; every layer reuses it. Host lists go to the device in a handful of
+transfers and the per-token slot arithmetic happens there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pypto_serving.actors.device_worker import ScheduledSeq
+from pypto_serving.kernels.attention import AttentionMetadata, PrefillSegment, chunk_mask
+from pypto_serving.kernels.paged_kv import context_slots, slots_of_positions
+from pypto_serving.worker.seq_state import SeqState
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token
+    sample_seq_ids: list[int]
+
+
+def prepare(
+    seqs: list[ScheduledSeq], states: list[SeqState], block_size: int, device: torch.device
+) -> StepBatch:
+    """`states[i]` is `seqs[i]`'s state, already updated for this step."""
+    q_lens = [len(s.token_ids) for s in seqs]
+    starts = _cumsum(q_lens)
+    ctx_lens = [s.start_pos + n for s, n in zip(seqs, q_lens, strict=True)]
+    tables = _ints(_pad_tables(states, ctx_lens, block_size), device)  # [B, max blocks]
+    positions = _ints([p for s, n in zip(seqs, ctx_lens, strict=True) for p in range(s.start_pos, n)], device)
+    rows = torch.repeat_interleave(torch.arange(len(seqs), device=device), _ints(q_lens, device))
+    slot_mapping = slots_of_positions(tables, rows, positions, block_size)
+    sampled = [i for i, s in enumerate(seqs) if s.sample]
+    return StepBatch(
+        input_ids=_ints([t for s in seqs for t in s.token_ids], device),
+        positions=positions,
+        attn=_attention_metadata(seqs, slot_mapping, tables, starts, block_size),
+        sample_rows=_ints([starts[i] + q_lens[i] - 1 for i in sampled], device),
+        sample_seq_ids=[seqs[i].seq_id for i in sampled],
+    )
+
+
+def _attention_metadata(
+    seqs: list[ScheduledSeq],
+    slot_mapping: torch.Tensor,
+    tables: torch.Tensor,
+    starts: list[int],
+    block_size: int,
+) -> AttentionMetadata:
+    single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+    ctx_lens = [s.start_pos + len(s.token_ids) for s in seqs]
+    decode = _decode_group(tables, single, starts, ctx_lens, block_size)
+    prefills = tuple(
+        PrefillSegment(
+            start=starts[i],
+            end=starts[i] + len(s.token_ids),
+            ctx_slots=context_slots(tables[i : i + 1], block_size, ctx_lens[i])[0],
+            mask=chunk_mask(s.start_pos, len(s.token_ids), tables.device),
+        )
+        for i, s in enumerate(seqs)
+        if len(s.token_ids) > 1
+    )
+    return AttentionMetadata(slot_mapping, *decode, prefills, all_decode=len(single) == len(seqs))
+
+
+def _decode_group(
+    block_tables: torch.Tensor,
+    single: list[int],
+    starts: list[int],
+    ctx_lens: list[int],
+    block_size: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(rows, slots [Bd, L], mask [Bd, 1, 1, L]) of the single-query sequences, or Nones."""
+    if not single:
+        return None, None, None
+    device = block_tables.device
+    index = torch.tensor(single, device=device)
+    lens = torch.tensor([ctx_lens[i] for i in single], device=device)
+    longest = max(ctx_lens[i] for i in single)
+    slots = context_slots(block_tables[index], block_size, longest)
+    mask = torch.arange(longest, device=device) < lens.unsqueeze(1)
+    rows = torch.tensor([starts[i] for i in single], device=device)
+    return rows, slots, mask[:, None, None, :]
+
+
+def _pad_tables(states: list[SeqState], ctx_lens: list[int], block_size: int) -> list[list[int]]:
+    """Block tables cut to the blocks this step touches, padded with block 0 (masked out)."""
+    needed = [-(-n // block_size) for n in ctx_lens]
+    width = max(needed)
+    for state, n in zip(states, needed, strict=True):
+        if len(state.block_table) < n:
+            raise ValueError(f"block table has {len(state.block_table)} blocks, step needs {n}")
+    return [st.block_table[:n] + [0] * (width - n) for st, n in zip(states, needed, strict=True)]
+
+
+def _cumsum(lens: list[int]) -> list[int]:
+    """Start offset of each sequence's tokens in the flattened batch."""
+    starts, total = [], 0
+    for n in lens:
+        starts.append(total)
+        total += n
+    return starts
+
+
+def _ints(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)

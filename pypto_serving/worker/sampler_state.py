@@ -1,0 +1,87 @@
+"""Per-step sampling tensors from the sampled sequences' settings and token histories.
+
+Each optional tensor is built only when some row of the step needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pypto_serving.kernels.sampling import SamplingTensors
+from pypto_serving.worker.seq_state import SeqState
+
+
+def sampling_tensors(states: list[SeqState], vocab_size: int, device: torch.device) -> SamplingTensors:
+    """Rows aligned with `states` (the sequences sampled this step, in plan order)."""
+    params = [s.sampling for s in states]
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingTensors(
+        temperature=_f32([p.temperature for p in params], device),
+        generators=[s.generator for s in states],
+        all_greedy=all(p.greedy for p in params),
+        top_k=_unless_all([p.top_k for p in params], 0, torch.int64, device),
+        top_p=_unless_all([p.top_p for p in params], 1.0, torch.float32, device),
+        min_p=_unless_all([p.min_p for p in params], 0.0, torch.float32, device),
+        **_penalties(states, vocab_size, device),
+        banned=_banned_eos(states, vocab_size, device),
+        logprobs=bool(asked),
+        top_logprobs=max(asked, default=0),
+    )
+
+
+def _unless_all(
+    values: list[float] | list[int], noop: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """The rows' values, or None when every row has the no-op value (skip that step)."""
+    if all(v == noop for v in values):
+        return None
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _penalties(states: list[SeqState], vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    params = [s.sampling for s in states]
+    if not any(_has_penalty(s) for s in states):
+        return {}
+    return dict(
+        presence=_f32([p.presence_penalty for p in params], device),
+        frequency=_f32([p.frequency_penalty for p in params], device),
+        repetition=_f32([p.repetition_penalty for p in params], device),
+        prompt_mask=_token_table([s.prompt_ids for s in states], vocab_size, device) > 0,
+        output_counts=_token_table([s.output_ids for s in states], vocab_size, device),
+    )
+
+
+def _has_penalty(state: SeqState) -> bool:
+    p = state.sampling
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _banned_eos(states: list[SeqState], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """EOS ids of rows that have not yet produced min_tokens tokens."""
+    rows = [
+        [eos for eos in s.sampling.eos_token_ids if eos < vocab_size]
+        if s.num_output_tokens < s.sampling.min_tokens
+        else []
+        for s in states
+    ]
+    if not any(rows):
+        return None
+    return _token_table(rows, vocab_size, device) > 0
+
+
+def _token_table(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32 count of each token id in each row."""
+    table = torch.zeros(len(rows), vocab_size, device=device)
+    row_index = [i for i, ids in enumerate(rows) for _ in ids]
+    cols = [t for ids in rows for t in ids]
+    ones = torch.ones(len(cols), device=device)
+    table.index_put_((_ints(row_index, device), _ints(cols, device)), ones, accumulate=True)
+    return table
+
+
+def _ints(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _f32(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)

@@ -1,0 +1,77 @@
+"""What the worker remembers about each running sequence between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pypto_serving.actors.device_worker import ScheduledSeq
+from pypto_serving.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SeqState:
+    block_table: list[int]
+    token_ids: list[int]  # every token the scheduler has sent: prompt, then earlier outputs
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None  # None for greedy sequences
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def record_chunk(self, start_pos: int, token_ids: list[int]) -> None:
+        """Tokens at start_pos.. replace whatever was there (a sampled token comes back here)."""
+        if start_pos > len(self.token_ids):
+            raise ValueError(f"chunk at {start_pos} leaves a gap after {len(self.token_ids)} tokens")
+        del self.token_ids[start_pos:]
+        self.token_ids.extend(token_ids)
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """One generator per sequence, seeded once; unseeded requests get a random seed."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def apply_scheduled(states: dict[int, SeqState], s: ScheduledSeq, device: torch.device) -> SeqState:
+    """Update (or, with `reset`, start) a sequence's state from its share of a step."""
+    if s.reset:
+        states[s.seq_id] = _restart(states.get(s.seq_id), s, device)
+    else:
+        states[s.seq_id].block_table.extend(s.new_block_ids)
+    state = states[s.seq_id]
+    state.record_chunk(s.start_pos, s.token_ids)
+    return state
+
+
+def _restart(old: SeqState | None, s: ScheduledSeq, device: torch.device) -> SeqState:
+    if s.sampling is None:
+        raise ValueError(f"seq {s.seq_id}: reset without sampling params")
+    if len(s.prefix_ids) != s.start_pos:
+        raise ValueError(f"seq {s.seq_id}: {len(s.prefix_ids)} prefix ids, start_pos {s.start_pos}")
+    # A preempted sequence being recomputed continues its random stream.
+    gen = old.generator if old is not None and old.generator is not None else None
+    return SeqState(
+        block_table=list(s.new_block_ids),
+        token_ids=list(s.prefix_ids),
+        num_prompt_tokens=s.num_prompt_tokens,
+        sampling=s.sampling,
+        generator=gen or make_generator(s.sampling, device),
+    )

@@ -1,0 +1,150 @@
+"""The batched sampler: what each setting allows, seeds, penalties, min_tokens, logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from msgspec.structs import replace
+
+from pypto_serving.kernels.sampling import SamplerOutput, apply_penalties, sample
+from pypto_serving.sampling import SamplingParams
+from pypto_serving.worker.sampler_state import sampling_tensors
+from pypto_serving.worker.seq_state import SeqState, make_generator
+
+CPU = torch.device("cpu")
+PROBS = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
+LOGITS = PROBS.log()
+
+
+def states(
+    params: list[SamplingParams], prompt: Sequence[int] = (), output: Sequence[int] = ()
+) -> list[SeqState]:
+    """One fresh sequence per params (generator seeded from params.seed)."""
+    return [SeqState([], [*prompt, *output], len(prompt), p, make_generator(p, CPU)) for p in params]
+
+
+def run(logits: torch.Tensor, seqs: list[SeqState]) -> SamplerOutput:
+    return sample(logits, sampling_tensors(seqs, logits.shape[1], CPU))
+
+
+def draws(params: SamplingParams, n: int = 2000, logits: torch.Tensor = LOGITS) -> torch.Tensor:
+    """n independent draws: n rows, each with its own seed."""
+    rows = [replace(params, seed=i) for i in range(n)]
+    return run(logits.expand(n, -1), states(rows)).token_ids
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, 50)
+    out = run(logits, states([SamplingParams()] * 6))
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_plain_sampling_follows_the_distribution() -> None:
+    counts = torch.bincount(draws(SamplingParams(temperature=1.0), 4000), minlength=5) / 4000
+    torch.testing.assert_close(counts, PROBS, atol=0.03, rtol=0)
+
+
+def test_low_temperature_sharpens() -> None:
+    cold = (draws(SamplingParams(temperature=0.3)) == 0).float().mean()
+    hot = (draws(SamplingParams(temperature=2.0)) == 0).float().mean()
+    assert cold > 0.8 and hot < 0.45
+
+
+def test_top_k_never_leaves_the_k_most_likely() -> None:
+    tokens = draws(SamplingParams(temperature=1.0, top_k=2))
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    tokens = draws(SamplingParams(temperature=1.0, top_p=0.85))  # 0.5 + 0.3 < 0.85 <= + 0.1
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:
+    tokens = draws(SamplingParams(temperature=1.0, min_p=0.15))  # threshold 0.075
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_cuts_combine_per_row() -> None:
+    rows = [SamplingParams(temperature=1.0, top_k=1, seed=i) for i in range(200)]
+    rows += [SamplingParams(temperature=1.0, seed=i) for i in range(200)]
+    tokens = run(LOGITS.expand(400, -1), states(rows)).token_ids
+    assert set(tokens[:200].tolist()) == {0}
+    assert len(set(tokens[200:].tolist())) == 5
+
+
+def test_penalties_follow_the_formulas() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
+    seq = states([params], prompt=[1], output=[2, 2])
+    out = apply_penalties(logits, sampling_tensors(seq, 4, CPU))
+    # token 1: in the prompt, negative -> x2; token 2: output twice, positive -> /2 - 2*0.25 - 0.5
+    assert out.tolist() == [[2.0, -4.0, 1.0 / 2 - 0.5 - 0.5, 0.5]]
+
+
+def test_repetition_penalty_steers_greedy_away_from_repeats() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert run(logits, states([SamplingParams()], output=[0])).token_ids.item() == 0
+    seq = states([SamplingParams(repetition_penalty=1.2)], output=[0])
+    assert run(logits, seq).token_ids.item() == 1
+
+
+def test_frequency_penalty_lowers_the_chance_of_repeated_tokens() -> None:
+    n = 2000
+    plain = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
+    penalised = [SamplingParams(temperature=1.0, seed=i, frequency_penalty=1.0) for i in range(n)]
+    before = run(LOGITS.expand(n, -1), states(plain, output=[0, 0])).token_ids
+    after = run(LOGITS.expand(n, -1), states(penalised, output=[0, 0])).token_ids
+    assert (after == 0).float().mean() < (before == 0).float().mean() - 0.2
+
+
+def test_eos_is_never_sampled_before_min_tokens() -> None:
+    logits = torch.tensor([[0.0, 8.0, 0.0, 0.0]])  # eos (1) is the obvious choice
+    for temperature in (0.0, 1.0):
+        early = SamplingParams(temperature=temperature, min_tokens=3, eos_token_ids=(1,))
+        for output in ([], [2], [2, 3]):
+            seqs = states([replace(early, seed=s) for s in range(50)], output=output)
+            assert 1 not in run(logits.expand(50, -1), seqs).token_ids.tolist()
+        assert run(logits, states([early], output=[2, 3, 0])).token_ids.item() == 1
+
+
+def test_same_seed_same_tokens_alone_or_batched_and_different_seeds_differ() -> None:
+    logits = torch.randn(30, 64)  # one row of logits per step
+    mine = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    alone = states([mine])
+    others = states(
+        [
+            SamplingParams(temperature=0.8, seed=1),
+            SamplingParams(),
+            mine,
+            SamplingParams(temperature=1.0, top_k=5),
+        ]
+    )
+    other_seed = states([SamplingParams(temperature=1.0, top_p=0.9, seed=8)])
+    a, b, c = [], [], []
+    for row in logits:
+        a.append(run(row[None], alone).token_ids.item())
+        b.append(run(torch.stack([row.roll(1), row, row, row * 2]), others).token_ids[2].item())
+        c.append(run(row[None], other_seed).token_ids.item())
+    assert a == b
+    assert a != c
+
+
+def test_logprobs_are_of_the_raw_logits() -> None:
+    logits = torch.randn(3, 20)
+    params = [
+        SamplingParams(temperature=0.7, logprobs=4, repetition_penalty=1.5, seed=1),
+        SamplingParams(logprobs=0),
+        SamplingParams(),
+    ]
+    out = run(logits, states(params, prompt=[3, 4]))
+    expected = logits.log_softmax(-1)
+    torch.testing.assert_close(out.logprobs, expected.gather(1, out.token_ids[:, None])[:, 0])
+    torch.testing.assert_close(out.top_logprobs, expected.topk(4).values)
+    assert out.top_ids.tolist() == expected.topk(4).indices.tolist()
+
+
+def test_no_logprobs_computed_when_none_asked() -> None:
+    out = run(torch.randn(2, 10), states([SamplingParams()] * 2))
+    assert out.logprobs is None and out.top_ids is None

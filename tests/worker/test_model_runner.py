@@ -1,0 +1,166 @@
+"""ModelRunner's step contract: results, per-sequence state, seeds, KV sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan
+from pypto_serving.sampling import SamplingParams
+from pypto_serving.worker import memory, model_runner
+from pypto_serving.worker.kv_cache import bytes_per_block
+from pypto_serving.worker.model_runner import ModelRunner
+from tests.worker.tiny_models import Driver, worker_config
+
+PROMPT = [(5 * i + 11) % 256 for i in range(9)]
+SAMPLED = SamplingParams(temperature=1.0, seed=1234)
+
+
+def generate(d: Driver, seq_id: int, n: int, params: SamplingParams, others: int = 0) -> list[int]:
+    """n tokens of one sequence, optionally batched with `others` unrelated sampled sequences."""
+    other_ids = [100 + i for i in range(others)]
+    first = [d.add(seq_id, PROMPT, len(PROMPT), params)]
+    first += [d.add(o, PROMPT[o % 5 :], 9, SamplingParams(temperature=1.0)) for o in other_ids]
+    d.step(first)
+    for _ in range(n - 1):
+        d.step([d.next(s) for s in [*other_ids[:1], seq_id, *other_ids[1:]]])
+    return d.tokens[seq_id][len(PROMPT) :]
+
+
+def test_result_lists_only_sampled_seqs_in_plan_order(driver) -> None:
+    d, _ = driver("llama")
+    result, logits = d.step([d.add(1, PROMPT, 4), d.add(2, PROMPT, 9), d.add(3, PROMPT[:3], 3)])
+    assert result.seq_ids == [2, 3]
+    assert len(result.token_ids) == 2 and logits.shape == (2, 256)
+    assert result.logprobs == [] and result.top_logprobs == []
+
+
+def test_logprobs_are_log_softmax_of_the_logits(driver) -> None:
+    d, _ = driver("llama")
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(logprobs=0)]
+    result, logits = d.step([d.add(i, PROMPT[i:], 9 - i, p) for i, p in enumerate(params)])
+    expected = logits.log_softmax(-1)
+    chosen = expected[torch.arange(3), torch.tensor(result.token_ids)]
+    assert result.logprobs[0] == pytest.approx(chosen[0].item(), abs=1e-5)
+    assert result.logprobs[1] == 0.0  # not asked
+    assert result.logprobs[2] == pytest.approx(chosen[2].item(), abs=1e-5)
+    top = result.top_logprobs[0]
+    assert [t.token_id for t in top] == expected[0].topk(3).indices.tolist()
+    assert [t.logprob for t in top] == pytest.approx(expected[0].topk(3).values.tolist(), abs=1e-5)
+    assert result.top_logprobs[1] == [] and result.top_logprobs[2] == []
+
+
+def test_seeded_sequence_is_the_same_alone_and_batched(driver) -> None:
+    alone = generate(driver("llama")[0], 1, 12, SAMPLED)
+    batched = generate(driver("llama")[0], 1, 12, SAMPLED, others=3)
+    assert alone == batched
+    other_seed = generate(driver("llama")[0], 1, 12, SamplingParams(temperature=1.0, seed=99))
+    assert other_seed != alone
+
+
+def test_preempted_sequence_continues_its_random_stream(driver) -> None:
+    expected = generate(driver("llama")[0], 1, 10, SAMPLED)
+    d, _ = driver("llama")
+    generate(d, 1, 5, SAMPLED)
+    # Preemption by recompute: the scheduler restarts seq 1 with prompt + 5 outputs.
+    known = d.tokens[1]
+    restart = ScheduledSeq(
+        1, known, 0, d.alloc(4), True, reset=True, num_prompt_tokens=len(PROMPT), sampling=SAMPLED
+    )
+    d.blocks[1], d.computed[1] = list(restart.new_block_ids), len(known)
+    d.step([restart])
+    for _ in range(4):
+        d.step([d.next(1)])
+    assert d.tokens[1][len(PROMPT) :] == expected
+
+
+def test_finished_sequences_are_forgotten(driver) -> None:
+    d, _ = driver("llama")
+    d.step([d.add(1, PROMPT, 9)])
+    d.step([], finished=[1])
+    assert 1 not in d.runner.seqs
+    with pytest.raises(KeyError):
+        d.step([d.next(1)])
+
+
+def test_min_tokens_holds_back_eos(driver) -> None:
+    d, _ = driver("llama")
+    free_run = generate(d, 1, 6, SamplingParams())
+    eos = free_run[0]  # the token greedy decoding picks first
+    d, _ = driver("llama")
+    held = generate(d, 1, 6, SamplingParams(min_tokens=3, eos_token_ids=(eos,)))
+    assert eos not in held[:3]
+    d, _ = driver("llama")
+    assert generate(d, 1, 1, SamplingParams(min_tokens=0, eos_token_ids=(eos,))) == [eos]
+
+
+def test_kv_blocks_fill_the_cpu_budget_up_to_the_cap(checkpoint) -> None:
+    path, _ = checkpoint("llama")
+    cfg = worker_config(path, kv_cache_bytes=10_000, max_num_blocks=1000)
+    block = bytes_per_block(cfg.arch, cfg.block_size, torch.float32)
+    runner = ModelRunner(cfg)
+    assert runner.num_blocks == 10_000 // block
+    assert runner.kv_cache_bytes == runner.num_blocks * block
+    assert runner.kv_caches[0][0].shape == (runner.num_blocks, 4, 2, 16)
+    assert ModelRunner(worker_config(path, max_num_blocks=7)).num_blocks == 7
+    params = sum(p.numel() for p in runner.model.parameters())
+    assert runner.weight_bytes >= params * 4
+
+
+def test_a_budget_below_one_block_is_a_clear_error(checkpoint) -> None:
+    path, _ = checkpoint("llama")
+    with pytest.raises(ValueError, match="KV cache budget"):
+        ModelRunner(worker_config(path, kv_cache_bytes=100))
+
+
+def test_bfloat16_kv_cache_under_float32_weights(driver) -> None:
+    d, o = driver("llama", kv_cache_dtype="bfloat16")
+    assert d.runner.kv_caches[0][0].dtype == torch.bfloat16
+    _, logits = d.step([d.add(1, PROMPT, 9)])
+    torch.testing.assert_close(logits[0], o.logits(PROMPT)[-1], atol=0.05, rtol=0)
+
+
+def test_empty_plan_only_drops_state(driver) -> None:
+    d, _ = driver("llama")
+    result = d.runner.execute(StepPlan(7, [], []))
+    assert (result.step_id, result.seq_ids, result.token_ids) == (7, [], [])
+
+
+class FakeAccelerator:
+    """The slice of torch.cuda's memory API the runner uses, with fixed numbers."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def synchronize(self, device: torch.device) -> None:
+        self.calls.append("synchronize")
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        self.calls.append("reset")
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return 1_000
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        return 6_000
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]:
+        return 123, 10_000_000
+
+
+def test_accelerator_budget_leaves_room_for_weights_and_activations(checkpoint, monkeypatch) -> None:
+    path, _ = checkpoint("llama")
+    cfg = worker_config(path, max_num_batched_tokens=40)  # a 40-token profiling prefill
+    runner = ModelRunner(cfg)
+    fake = FakeAccelerator()
+    monkeypatch.setattr(model_runner, "accelerator", lambda device: fake)
+    monkeypatch.setattr(memory, "accelerator", lambda device: fake)
+    sampler = 8 * cfg.max_num_seqs * cfg.arch.vocab_size * 4
+    assert runner._activation_bytes() == 5_000 + sampler
+    assert fake.calls == ["synchronize", "reset", "empty_cache"]
+    assert runner.seqs == {}  # the profiling sequence leaves no state behind
+    budget = memory.accelerator_kv_budget(torch.device("cpu"), 0.5, 100, 200)
+    assert budget == 5_000_000 - 300

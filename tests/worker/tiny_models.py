@@ -1,0 +1,150 @@
+"""Tiny random HF checkpoints, a stand-in scheduler that drives a ModelRunner, the HF oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+
+from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan, StepResult, WorkerConfig
+from pypto_serving.loader.hf import arch_from_hf_config, load_hf_config
+from pypto_serving.sampling import SamplingParams
+from pypto_serving.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 4  # small, so every sequence spans many blocks
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+    initializer_range=0.05,  # peakier logits than the default: greedy has clear winners
+    eos_token_id=None,  # generate() must not stop early
+    bos_token_id=None,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,  # small, so scaling matters at our positions
+)
+CHECKPOINTS: dict[str, tuple[str, dict]] = {
+    "llama": ("Llama", {}),
+    "llama_rope_llama3": ("Llama", dict(rope_scaling=LLAMA3_ROPE)),
+    "qwen2_tied": ("Qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3", dict(head_dim=32)),  # head_dim != hidden / heads
+}
+
+
+def build_hf_model(name: str) -> torch.nn.Module:
+    prefix, extra = CHECKPOINTS[name]
+    config = getattr(transformers, f"{prefix}Config")(**COMMON, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+
+
+def worker_config(path: Path, **overrides: object) -> WorkerConfig:
+    fields = dict(
+        model_path=str(path),
+        model_format="hf",
+        arch=arch_from_hf_config(load_hf_config(path)),
+        dtype="float32",
+        kv_cache_dtype="auto",
+        backend="cpu",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_num_blocks=256,
+        kv_cache_bytes=1 << 22,
+        gpu_memory_utilization=0.9,
+        max_num_seqs=8,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+    )
+    return WorkerConfig(**(fields | overrides))
+
+
+class Driver:
+    """Plays the scheduler: hands out blocks, keeps each sequence's tokens, builds plans."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.next_block = 0
+        self.step_id = 0
+        self.tokens: dict[int, list[int]] = {}  # every known token of each sequence
+        self.blocks: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}  # tokens whose KV is in the cache
+
+    def alloc(self, n: int) -> list[int]:
+        ids = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return ids
+
+    def add(
+        self,
+        seq_id: int,
+        prompt: list[int],
+        chunk: int,
+        params: SamplingParams | None = None,
+        shared_blocks: Sequence[int] = (),
+    ) -> ScheduledSeq:
+        """First chunk of a new sequence; `shared_blocks` are prefix-cache hits (full blocks)."""
+        start = len(shared_blocks) * BLOCK_SIZE
+        self.tokens[seq_id] = list(prompt)
+        self.blocks[seq_id] = list(shared_blocks)
+        self.computed[seq_id] = start
+        s = self._chunk(seq_id, chunk)
+        return ScheduledSeq(
+            seq_id,
+            s.token_ids,
+            start,
+            self.blocks[seq_id],
+            s.sample,
+            reset=True,
+            prefix_ids=prompt[:start],
+            num_prompt_tokens=len(prompt),
+            sampling=params or SamplingParams(),
+        )
+
+    def next(self, seq_id: int, chunk: int = 1) -> ScheduledSeq:
+        """The next chunk (decode when one token is left) of a running sequence."""
+        return self._chunk(seq_id, chunk)
+
+    def _chunk(self, seq_id: int, chunk: int) -> ScheduledSeq:
+        start, tokens = self.computed[seq_id], self.tokens[seq_id]
+        ids = tokens[start : start + chunk]
+        end = start + len(ids)
+        blocks = self.blocks[seq_id]
+        new = self.alloc(max(0, -(-end // BLOCK_SIZE) - len(blocks)))
+        blocks.extend(new)
+        self.computed[seq_id] = end
+        return ScheduledSeq(seq_id, ids, start, new, sample=end == len(tokens))
+
+    def step(self, seqs: list[ScheduledSeq], finished: Sequence[int] = ()) -> tuple[StepResult, torch.Tensor]:
+        plan = StepPlan(self.step_id, seqs, list(finished))
+        self.step_id += 1
+        result, logits = self.runner.execute_with_logits(plan)
+        for seq_id, token in zip(result.seq_ids, result.token_ids, strict=True):
+            self.tokens[seq_id].append(token)
+        return result, logits
+
+
+class Oracle:
+    """The transformers model the checkpoint came from."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        self.hf = hf
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), vocab] logits of one full forward: row i predicts token i + 1."""
+        with torch.no_grad():
+            return self.hf(torch.tensor([ids])).logits[0].float()
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        return out[0, len(prompt) :].tolist()
