@@ -116,6 +116,7 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        log_format=args.log_format, log_level=args.log_level,
     )
     engine = EngineConfig(worker, _scheduler(args), CacheConfig(block_size, args.enable_prefix_caching),
                           RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len))

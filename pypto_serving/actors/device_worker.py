@@ -20,6 +20,7 @@ import msgspec
 import multiprocess
 
 from pypto_serving.loader.arch import ModelArch
+from pypto_serving.logs import configure_logging
 from pypto_serving.sampling import SamplingParams
 
 
@@ -38,6 +39,8 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     max_num_seqs: int
     max_model_len: int
     max_num_batched_tokens: int
+    log_format: str = "console"
+    log_level: str = "info"
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):
@@ -112,6 +115,7 @@ def worker_main(conn: object, config: bytes) -> None:
     """Entry point of the device-worker process: handshake, then one result per plan."""
     encoder = msgspec.msgpack.Encoder()
     cfg = msgspec.msgpack.decode(config, type=WorkerConfig)
+    configure_logging(cfg.log_format, cfg.log_level)
     try:
         runner = _build_runner(cfg)
     except Exception as exc:  # reported to the parent, which exits with the message

@@ -108,3 +108,12 @@ def load_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def count_safetensors(model_dir: str | Path) -> int:
+    """How many tensors `load_safetensors` will yield (reads only the shard headers)."""
+    total = 0
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            total += len(f.keys())
+    return total

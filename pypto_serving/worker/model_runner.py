@@ -17,7 +17,7 @@ from pypto_serving.actors.device_worker import (
     WorkerConfig,
 )
 from pypto_serving.kernels.sampling import SamplerOutput, sample
-from pypto_serving.loader.hf import load_safetensors
+from pypto_serving.loader.hf import count_safetensors, load_safetensors
 from pypto_serving.models import build_model, load_weights
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.worker.batch import StepBatch, prepare
@@ -28,6 +28,7 @@ from pypto_serving.worker.kv_cache import (
     num_kv_blocks,
 )
 from pypto_serving.worker.memory import accelerator, accelerator_kv_budget, module_bytes
+from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
 
@@ -45,12 +46,15 @@ def torch_dtype(name: str, auto: torch.dtype | None = None) -> torch.dtype:
 
 def weight_source(cfg: WorkerConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if cfg.model_format == "hf":
-        return load_safetensors(cfg.model_path)
+        return with_progress(load_safetensors(cfg.model_path), count_safetensors(cfg.model_path),
+                             "loading weights")
     if cfg.model_format == "gguf":
         # Imported here: only GGUF checkpoints need the GGUF reader.
         from pypto_serving.loader.gguf_file import load_gguf_tensors
+        from pypto_serving.loader.gguf_reader import read_gguf
 
-        return load_gguf_tensors(cfg.model_path, cfg.arch)
+        total = len(read_gguf(cfg.model_path).tensors)
+        return with_progress(load_gguf_tensors(cfg.model_path, cfg.arch), total, "loading weights")
     raise ValueError(f"unknown model format {cfg.model_format!r}; expected 'hf' or 'gguf'")
 
 
