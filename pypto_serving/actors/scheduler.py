@@ -16,10 +16,10 @@ from typing import Protocol
 
 import structlog
 
+from pypto_serving.actors import request as request_msgs
 from pypto_serving.actors.base import Actor, unknown
 from pypto_serving.actors.device_worker import StepPlan, StepResult
 from pypto_serving.actors.kv_allocator import Allocate, Allocated, Free
-from pypto_serving.actors import request as request_msgs
 from pypto_serving.core.scheduler import Scheduler, TokenEvent
 from pypto_serving.core.sequence import Sequence
 from pypto_serving.sampling import SamplingParams
