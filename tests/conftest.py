@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import pytest
+
+from pypto_serving.packaged_models import PackagedModelMissing, smollm2_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    try:
+        return str(smollm2_path())
+    except PackagedModelMissing as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf: str):
+    """transformers' own load of the packaged SmolLM2 GGUF (fp32): the oracle. Slow, so shared."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf, gguf_file=smollm2_gguf,
+                                                 dtype=torch.float32)
+    return model.eval()
