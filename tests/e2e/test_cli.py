@@ -59,3 +59,11 @@ def test_offline_prompts_are_batched_and_printed():
     assert out.stdout.count("finish_reason: length") == 2
     assert "token_ids: [" in out.stdout and "tokens/s" in out.stdout
     assert "[1] prompt: '1, 2, 3,'" in out.stdout
+
+
+def test_packaged_qwen_coder_by_short_name():
+    out = run_cli("--model", "qwen2.5-coder-0.5b", "--prompt", "def add(a, b):\n",
+                  "--generate-config", '{"max_new_tokens": 8}', "--kv-cache-memory", "64MiB",
+                  "--max-model-len", "256", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "return a + b" in out.stdout, out.stdout
