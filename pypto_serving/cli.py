@@ -47,6 +47,22 @@ def _device_list(value: str) -> list[int]:
     return ids
 
 
+def _profile_levels(value: str) -> tuple[str, ...]:
+    levels = tuple(v for v in value.replace(" ", "").split(",") if v)
+    bad = [v for v in levels if v not in PROFILE_LEVELS]
+    if not levels or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(PROFILE_LEVELS)}, "
+                                         f"got {value!r}")
+    return levels
+
+
+def _seconds(value: str) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pypto-serving", description="OpenAI-compatible LLM inference server.")
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -61,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1)
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--kv-cache-dtype", choices=DTYPES, default="auto")
+    p.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
+                   help="weight-only packing of linears and embeddings; auto: on the cpu backend "
+                        "with --dtype auto, int4 where lossless (Q4 GGUF) else int8; none: exact")
     p.add_argument("--max-model-len", type=_positive_int, default=1024)
     p.add_argument("--block-size", type=_positive_int, default=None)
     p.add_argument("--max-num-seqs", type=_positive_int, default=16)
@@ -80,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offline mode: generate for this prompt (repeatable) and exit")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--profile", action="store_true",
+                   help="enable POST /start_profile and POST /stop_profile")
+    p.add_argument("--profile-output", default=None,
+                   help="directory of trace.json and fragments/ (default ./profile_out)")
+    p.add_argument("--profile-level", type=_profile_levels, default=None,
+                   help="comma list of e2e, kernel, verbose (default e2e,kernel)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM/SIGINT before they "
+                        "are aborted (default 30)")
     return p
 
 

@@ -1,10 +1,22 @@
-"""Server-side sampling defaults (`--generate-config`) and how a request overrides them."""
+"""Server-side sampling defaults (`--generate-config`).
+
+An inline JSON object or `@path.json`. msgspec checks every key while decoding: an unknown key
+or a wrong type or range stops startup with a message naming the field ("Expected `float`
+>= 0.0 - at `$.temperature`"). How a request overrides these is in http/protocol.py.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
+
+MAX_STOP_STRINGS = 32  # the same limits as a request's `stop`
+MAX_STOP_LENGTH = 256
+
+_StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
 
 
 class GenerateConfigError(ValueError):
@@ -12,12 +24,12 @@ class GenerateConfigError(ValueError):
 
 
 class GenerateDefaults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    max_new_tokens: int | None = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: list[str] = []
+    max_new_tokens: Annotated[int, Meta(ge=1)] | None = 256
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: Annotated[list[_StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
     stream: bool = False
     ignore_eos: bool = False
 
@@ -33,21 +45,8 @@ def parse_generate_config(value: str | None) -> GenerateDefaults:
         except OSError as exc:
             raise GenerateConfigError(f"cannot read {value[1:]!r}: {exc.strerror}") from None
     try:
-        config = msgspec.json.decode(text, type=GenerateDefaults)
+        return msgspec.json.decode(text, type=GenerateDefaults)
     except msgspec.ValidationError as exc:
         raise GenerateConfigError(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise GenerateConfigError(f"not a JSON object: {exc}") from None
-    _check(config)
-    return config
-
-
-def _check(config: GenerateDefaults) -> None:
-    if config.max_new_tokens is not None and config.max_new_tokens < 1:
-        raise GenerateConfigError("max_new_tokens must be a positive integer")
-    if config.temperature < 0:
-        raise GenerateConfigError("temperature must be >= 0")
-    if not 0 < config.top_p <= 1:
-        raise GenerateConfigError("top_p must be in (0, 1]")
-    if config.top_k is not None and config.top_k < 1:
-        raise GenerateConfigError("top_k must be a positive integer or null")

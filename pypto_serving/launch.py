@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import time
 
 import structlog
 from aiohttp import web
 
-from pypto_serving.actors.device_worker import WorkerStartError
+from pypto_serving.actors.device_client import WorkerStartError
 from pypto_serving.cli import FlagError
 from pypto_serving.engine import Engine
+from pypto_serving.http.ops import Ops
 from pypto_serving.http.server import Handlers, build_app
 from pypto_serving.loader.errors import UnsupportedModel
 from pypto_serving.logs import configure_logging
+from pypto_serving.metrics import EngineMetrics
 from pypto_serving.model_source import ModelSourceError, resolve_model
+from pypto_serving.profiling import Profiler, SpanRecorder
 from pypto_serving.requests import Finished, GenerateRequest, TextDelta
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.settings import ServerSettings, build_settings, check_flags
+from pypto_serving.shutdown import ShutdownSignals, graceful_shutdown
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -37,28 +40,48 @@ def launch(args: argparse.Namespace) -> int:
     except (ModelSourceError, UnsupportedModel, ValueError) as exc:
         if isinstance(exc, FlagError):
             raise
-        print(f"pypto-serving: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, str(exc), 2)
     run = offline if args.prompt else serve
     try:
         return asyncio.run(run(settings, tokenizer, args))
     except WorkerStartError as exc:
-        print(f"pypto-serving: error: the device worker could not start: {exc}", file=sys.stderr)
-        return 1
+        return _fail(args, f"the device worker could not start: {exc}", 1)
+    except KeyboardInterrupt:  # Ctrl-C in offline mode (serve mode handles its signals)
+        return 130
 
 
-async def _start_engine(settings: ServerSettings, tokenizer: Tokenizer) -> Engine:
-    engine = Engine(settings.engine, tokenizer)
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """One line: plain for a person, a JSON log line for a log pipeline."""
+    if args.log_format == "json":
+        log.error(message)
+    else:
+        print(f"pypto-serving: error: {message}", file=sys.stderr)
+    return code
+
+
+def _new_engine(settings: ServerSettings, tokenizer: Tokenizer) -> Engine:
+    metrics = EngineMetrics(settings.served_name, settings.engine.limits.max_model_len)
+    return Engine(settings.engine, tokenizer, metrics, SpanRecorder("api-server"))
+
+
+async def _start_engine(engine: Engine) -> None:
     t0 = time.monotonic()
     ready = await engine.start()
     log.info("model loaded", seconds=round(time.monotonic() - t0, 2),
-             weights_mib=ready.weight_bytes >> 20, kv_cache_mib=ready.kv_cache_bytes >> 20)
-    return engine
+             weights_mib=ready.weight_bytes >> 20, kv_cache_mib=ready.kv_cache_bytes >> 20,
+             worker_pids=[w.process.pid for w in engine.workers])
 
 
-def _startup_summary(settings: ServerSettings, engine: Engine) -> None:
+def _profiler(settings: ServerSettings, engine: Engine) -> Profiler | None:
+    if settings.profile is None:
+        return None
+    return Profiler(settings.profile, engine.recorder, engine.workers)
+
+
+def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[str]) -> None:
     cfg, sched = settings.engine, settings.engine.scheduler
-    log.info(f"Serving on http://{settings.host}:{settings.port}")
+    log.info(f"Serving on http://{settings.host}:{settings.port}", host=settings.host,
+             port=settings.port)
     log.info(f"Model: {settings.served_name} ({cfg.worker.model_path}, {cfg.worker.arch.family}, "
              f"dtype {cfg.worker.dtype})")
     log.info(f"Platform: {settings.platform}, backend {settings.backend}, "
@@ -69,52 +92,58 @@ def _startup_summary(settings: ServerSettings, engine: Engine) -> None:
     log.info(f"Prefill chunk size: {sched.long_prefill_token_threshold}")
     log.info(f"Prefix cache: {'enabled' if cfg.cache.enable_prefix_caching else 'disabled'}")
     log.info(f"Chunked prefill: {'enabled' if sched.enable_chunked_prefill else 'disabled'}")
-    log.info("Endpoints: GET /health, GET /v1/models, POST /v1/completions, "
-             "POST /v1/chat/completions")
+    log.info(f"Endpoints: {', '.join(endpoints)}")
+    if settings.profile is not None:
+        log.info(f"Profiling: levels {','.join(settings.profile.levels)}, "
+                 f"output {settings.profile.output}")
     log.info(f"KV cache: {engine.ready.num_blocks} blocks of {cfg.cache.block_size} tokens")
+    log.info(f"Shutdown timeout: {settings.shutdown_timeout:g} s")
 
 
 async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.Namespace) -> int:
-    engine = await _start_engine(settings, tokenizer)
-    runner = web.AppRunner(build_app(Handlers(engine, settings.served_name, settings.defaults)),
-                           handler_cancellation=True, access_log=None)
+    engine = _new_engine(settings, tokenizer)
+    signals = ShutdownSignals(on_force=engine.kill)
+    await _start_engine(engine)
+    if signals.requested:  # asked to stop while the model was loading
+        await engine.shutdown()
+        return 0
+    handlers = Handlers(engine, settings.served_name, settings.defaults)
+    ops = Ops(engine, _profiler(settings, engine))
+    app = build_app(handlers)
+    ops.install(app)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, settings.host, settings.port).start()
     except OSError as exc:
-        print(f"pypto-serving: error: cannot listen on {settings.host}:{settings.port}: {exc}",
-              file=sys.stderr)
         await engine.shutdown()
-        return 1
-    _startup_summary(settings, engine)
+        return _fail(args, f"cannot listen on {settings.host}:{settings.port}: {exc}", 1)
+    endpoints = [f"{r.method} {r.path}" for r in handlers.routes()] + ops.endpoints()
+    _startup_summary(settings, engine, endpoints)
     log.info("Application startup complete")
-    await _wait_for_signal()
-    log.info("shutting down")
-    await runner.cleanup()
-    await engine.shutdown()
+    await signals.wait()
+    await graceful_shutdown(engine, ops, runner, settings.shutdown_timeout)
     return 0
-
-
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
 
 
 async def offline(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.Namespace) -> int:
     """Generates for every --prompt at once (continuously batched) and prints the results."""
-    engine = await _start_engine(settings, tokenizer)
+    engine = _new_engine(settings, tokenizer)
+    await _start_engine(engine)
+    profiler = _profiler(settings, engine)
     defaults = settings.defaults
     sampling = SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p,
                               top_k=defaults.top_k or 0, seed=defaults.seed)
     requests = [GenerateRequest(f"offline-{i}", prompt, defaults.max_new_tokens, sampling,
                                 tuple(defaults.stop), ignore_eos=defaults.ignore_eos)
                 for i, prompt in enumerate(args.prompt)]
+    if profiler is not None:  # offline, the profile covers the whole batch
+        profiler.start()
     t0 = time.monotonic()
     results = await asyncio.gather(*(_run_one(engine, r) for r in requests))
     elapsed = time.monotonic() - t0
+    if profiler is not None:
+        await profiler.stop()
     await engine.shutdown()
     total = 0
     for i, (prompt, (text, ids, done)) in enumerate(zip(args.prompt, results, strict=True)):

@@ -48,9 +48,33 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
+class Candidate:
+    """A token the sampler could have picked: its id, text, exact UTF-8 bytes and logprob."""
+
+    token_id: int
+    text: str
+    utf8: bytes
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's logprob and the most likely alternatives at its position."""
+
+    chosen: Candidate
+    top: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
+    """New text and the tokens that produced it; the two need not line up: text can be
+    held back (stop strings, split characters) while its tokens are already reported.
+    `logprobs` has one entry per token when the request asked for logprobs."""
+
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    reasoning: str = ""  # set by a reasoning parser, for models that have one
 
 
 @dataclass(frozen=True, slots=True)

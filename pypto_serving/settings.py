@@ -16,6 +16,7 @@ from pypto_serving.core.scheduler import SchedulerConfig
 from pypto_serving.engine import CacheConfig, EngineConfig
 from pypto_serving.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
 from pypto_serving.model_source import ModelSource
+from pypto_serving.profiling import DEFAULT_LEVELS, ProfileConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 _BLOCK_SIZES = {"cpu": 16, "cuda": 16, "npu": 128}
@@ -32,6 +33,8 @@ class ServerSettings:
     devices: tuple[int, ...]
     host: str
     port: int
+    profile: ProfileConfig | None = None
+    shutdown_timeout: float = 30.0
 
 
 def _torch_has_cuda() -> bool:
@@ -85,6 +88,31 @@ def _scheduler(args: argparse.Namespace) -> SchedulerConfig:
     )
 
 
+def _profile(args: argparse.Namespace) -> ProfileConfig | None:
+    if not args.profile:
+        given = [f for f, v in (("--profile-output", args.profile_output),
+                                ("--profile-level", args.profile_level)) if v is not None]
+        if given:
+            raise FlagError(f"{' and '.join(given)} need --profile")
+        return None
+    return ProfileConfig(str(Path(args.profile_output or "profile_out").absolute()),
+                         tuple(args.profile_level or DEFAULT_LEVELS))
+
+
+def _quantization(args: argparse.Namespace, backend: str) -> str:
+    """auto packs weights only where it pays and nothing asked for exact: cpu, --dtype auto."""
+    if args.quantization != "auto":
+        return args.quantization
+    return "auto" if backend == "cpu" and args.dtype == "auto" else "none"
+
+
+def _kv_dtype(args: argparse.Namespace, dtype: str, quantization: str) -> str:
+    """Packed weights on the CPU keep the KV cache in float16 (half the memory and reads)."""
+    if args.kv_cache_dtype != "auto":
+        return args.kv_cache_dtype
+    return "float16" if quantization != "none" and dtype == "float32" else dtype
+
+
 def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], GenerateDefaults]:
     """Everything that can be checked before the model is looked at."""
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -96,6 +124,7 @@ def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], Generat
     except GenerateConfigError as exc:
         raise FlagError(f"--generate-config: {exc}") from None
     _scheduler(args)
+    _profile(args)
     return pick_backend(args.backend), _devices(args), defaults
 
 
@@ -106,9 +135,10 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
                         f"length ({source.arch.max_position_embeddings})")
     block_size = args.block_size or _BLOCK_SIZES[backend]
     dtype = _DTYPES[backend] if args.dtype == "auto" else args.dtype
+    quantization = _quantization(args, backend)
     worker = WorkerConfig(
         model_path=str(source.path), model_format=source.format, arch=source.arch,
-        dtype=dtype, kv_cache_dtype=dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        dtype=dtype, kv_cache_dtype=_kv_dtype(args, dtype, quantization),
         backend=backend, device="cpu" if backend == "cpu" else f"{backend}:{devices[0]}",
         block_size=block_size,
         max_num_blocks=2 * args.max_num_seqs * math.ceil(args.max_model_len / block_size),
@@ -116,9 +146,10 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        log_format=args.log_format, log_level=args.log_level,
+        log_format=args.log_format, log_level=args.log_level, quantization=quantization,
     )
     engine = EngineConfig(worker, _scheduler(args), CacheConfig(block_size, args.enable_prefix_caching),
                           RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len))
     return ServerSettings(engine, defaults, args.served_model_name or source.default_name, backend,
-                          args.platform, devices, args.host, args.port)
+                          args.platform, devices, args.host, args.port, _profile(args),
+                          args.shutdown_timeout)

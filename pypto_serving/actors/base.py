@@ -27,6 +27,11 @@ class Actor:
     def tell(self, msg: object) -> None:
         self._inbox.put_nowait(msg)
 
+    @property
+    def alive(self) -> bool:
+        """Started and its loop still running."""
+        return self._task is not None and not self._task.done()
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=type(self).__name__)
 

@@ -1,27 +1,29 @@
 """DeviceWorker: one OS process per device that runs the model.
 
 Receives (over a pipe, msgpack-encoded msgspec Structs): `WorkerConfig` once at start,
-then `StepPlan` per step, `Shutdown` at the end.
+then `StepPlan` per step, `StartProfile`/`StopProfile` around a profile, `Shutdown` at the end.
 Sends: `WorkerReady` (handshake, after weights and KV cache are in place), then one
-`StepResult` per `StepPlan`, in order.
-State owned: model weights, KV cache tensors, per-sequence sampler state.
+`StepResult` per `StepPlan` and one `ProfileStopped` per `StopProfile`, in order.
+State owned: model weights, KV cache tensors, per-sequence sampler state, its profiler.
 Invariant: knows nothing of queues, HTTP or scheduling policy; executes plans as given.
+Signals: ignores SIGINT and SIGTERM (a terminal's Ctrl-C or `timeout` reach the whole process
+group); the API process drains requests, then sends `Shutdown`; a closed pipe also ends it.
+The main-process side (start, pipe, death detection) is actors/device_client.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import time
-import traceback
-from collections.abc import Callable
+import signal
 
 import msgspec
-import multiprocess
+import structlog
 
 from pypto_serving.loader.arch import ModelArch
-from pypto_serving.logs import configure_logging
+from pypto_serving.logs import capture_stray_output, configure_logging
+from pypto_serving.profiling import WorkerProfiler
 from pypto_serving.sampling import SamplingParams
+
+log = structlog.get_logger()
 
 
 class WorkerConfig(msgspec.Struct, frozen=True):
@@ -41,6 +43,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     max_num_batched_tokens: int
     log_format: str = "console"
     log_level: str = "info"
+    quantization: str = "none"  # weight-only: "none" | "int8" | "int4" | "auto" (models/quant.py)
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):
@@ -77,12 +80,25 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
+class StartProfile(msgspec.Struct, frozen=True, tag=True):
+    levels: list[str]  # e2e, kernel, verbose
+    prefix: str  # fragment path prefix; the worker appends its own name
+
+
+class StopProfile(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class ProfileStopped(msgspec.Struct, frozen=True, tag=True):
+    paths: list[str]  # the fragments this worker wrote
+
+
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     logprob: float
 
 
-class StepResult(msgspec.Struct, frozen=True):
+class StepResult(msgspec.Struct, frozen=True, tag=True):
     """Tokens sampled in one step: `token_ids[i]` belongs to `seq_ids[i]`.
 
     `seq_ids` lists exactly the scheduled sequences with `sample` true, in plan order.
@@ -112,10 +128,23 @@ class WorkerFailed(msgspec.Struct, frozen=True, tag=True):
 
 
 def worker_main(conn: object, config: bytes) -> None:
-    """Entry point of the device-worker process: handshake, then one result per plan."""
-    encoder = msgspec.msgpack.Encoder()
+    """Entry point of the device-worker process: handshake, then one reply per request."""
     cfg = msgspec.msgpack.decode(config, type=WorkerConfig)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    restore = capture_stray_output() if cfg.log_format == "json" else None
     configure_logging(cfg.log_format, cfg.log_level)
+    try:
+        _run(conn, cfg)
+    except Exception:
+        log.exception("device worker failed", device=cfg.device)
+    finally:
+        if restore is not None:
+            restore()
+
+
+def _run(conn: object, cfg: WorkerConfig) -> None:
+    encoder = msgspec.msgpack.Encoder()
     try:
         runner = _build_runner(cfg)
     except Exception as exc:  # reported to the parent, which exits with the message
@@ -123,7 +152,7 @@ def worker_main(conn: object, config: bytes) -> None:
         return
     conn.send_bytes(encoder.encode(
         WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes)))
-    _serve(conn, runner, encoder)
+    _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device}", cfg.backend))
 
 
 def _build_runner(cfg: WorkerConfig) -> object:
@@ -132,115 +161,38 @@ def _build_runner(cfg: WorkerConfig) -> object:
     return ModelRunner(cfg)
 
 
-def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder) -> None:
-    decoder = msgspec.msgpack.Decoder(StepPlan | Shutdown)
+def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
+           profiler: WorkerProfiler) -> None:
+    decoder = msgspec.msgpack.Decoder(StepPlan | Shutdown | StartProfile | StopProfile)
     while True:
         try:
             msg = decoder.decode(conn.recv_bytes())
-        except EOFError:  # the parent is gone: leave no orphan behind
+        except (EOFError, OSError):  # the parent is gone: leave no orphan behind
             return
         match msg:
             case StepPlan():
-                conn.send_bytes(encoder.encode(_execute(runner, msg)))
+                reply = _execute(runner, msg, profiler)
+            case StartProfile(levels, prefix):
+                profiler.start(levels, prefix)
+                continue
+            case StopProfile():
+                reply = ProfileStopped(profiler.stop())
             case Shutdown():
                 return
-
-
-def _execute(runner: object, plan: StepPlan) -> StepResult:
-    try:
-        return runner.execute(plan)
-    except Exception as exc:
-        traceback.print_exc()
-        return StepResult(plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}")
-
-
-# -- the main-process side -----------------------------------------------------------
-
-
-class WorkerStartError(RuntimeError):
-    pass
-
-
-class DeviceWorkerClient:
-    """Starts one worker process and moves plans and results over its pipe.
-
-    Results and the worker's death are reported through callbacks on the event loop.
-    """
-
-    def __init__(self, cfg: WorkerConfig, on_result: Callable[[StepResult], None],
-                 on_death: Callable[[str], None]):
-        self.cfg = cfg
-        self._on_result = on_result
-        self._on_death = on_death
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(StepResult)
-        self._conn = None
-        self.process = None
-        self._stopping = False
-        self._gone = False
-
-    async def start(self) -> WorkerReady:
-        ctx = multiprocess.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        config = self._encoder.encode(self.cfg)
-        self.process = ctx.Process(target=worker_main, args=(child, config), daemon=True,
-                                   name=f"device-worker-{self.cfg.device}")
-        self.process.start()
-        child.close()
-        ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._conn.fileno(), self._readable)
-        loop.add_reader(self.process.sentinel, self._exited)
-        return ready
-
-    def _handshake(self) -> WorkerReady:
+            case _:
+                raise TypeError(f"device worker cannot handle {type(msg).__name__}")
         try:
-            data = self._conn.recv_bytes()
-        except EOFError:
-            raise WorkerStartError(f"device worker exited with code {self.process.exitcode} "
-                                   "before it was ready") from None
-        msg = msgspec.msgpack.decode(data, type=WorkerReady | WorkerFailed)
-        if isinstance(msg, WorkerFailed):
-            raise WorkerStartError(msg.message)
-        return msg
-
-    def send(self, plan: StepPlan) -> None:
-        try:
-            self._conn.send_bytes(self._encoder.encode(plan))
-        except (BrokenPipeError, OSError) as exc:
-            self._on_death(f"device worker pipe closed: {exc}")
-
-    def _readable(self) -> None:
-        try:
-            data = self._conn.recv_bytes()
-        except (EOFError, OSError):
-            self._exited()
-            return
-        self._on_result(self._decoder.decode(data))
-
-    def _exited(self) -> None:
-        if self._gone:
-            return
-        self._gone = True
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._conn.fileno())
-        loop.remove_reader(self.process.sentinel)
-        if not self._stopping:
-            self.process.join(0.1)
-            self._on_death(f"device worker {self.cfg.device} died (exit code {self.process.exitcode})")
-
-    async def stop(self, timeout: float = 5.0) -> None:
-        """Asks the worker to exit, then makes sure it did."""
-        self._stopping = True
-        if self.process is None or not self.process.is_alive():
-            return
-        try:
-            self._conn.send_bytes(self._encoder.encode(Shutdown()))
+            conn.send_bytes(encoder.encode(reply))
         except OSError:
-            pass
-        deadline = time.monotonic() + timeout
-        while self.process.is_alive() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.process.is_alive():
-            os.kill(self.process.pid, 9)
-        self.process.join(1)
+            return
+
+
+def _execute(runner: object, plan: StepPlan, profiler: WorkerProfiler) -> StepResult:
+    tokens = sum(len(s.token_ids) for s in plan.seqs)
+    try:
+        with profiler.recorder.span("forward", "worker", step_id=plan.step_id,
+                                    seqs=len(plan.seqs), tokens=tokens):
+            return runner.execute(plan)
+    except Exception as exc:
+        log.exception("step failed", step_id=plan.step_id)
+        return StepResult(plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}")

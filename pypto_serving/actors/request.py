@@ -2,10 +2,12 @@
 
 Receives `Encoded`/`Rejected` (from the tokenizer actor) and `Tokens` (from the scheduler).
 Sends `Encode` to the tokenizer, `Submit` and `Abort` to the scheduler, and yields
-`Started`, `TextDelta`, `Finished` events to http/ (it is the edge: http/ iterates it).
+`Started`, `TextDelta` (with per-token logprobs when asked), `Finished` events to http/
+(it is the edge: http/ iterates it).
 State owned: the incremental detokenizer and the stop-string matcher of its sequence.
-Invariants: no partial stop string and no broken UTF-8 character ever leaves; a request
-that goes away before finishing sends exactly one `Abort`, which frees its KV blocks.
+Invariants: no partial stop string and no broken UTF-8 character ever leaves; no token id
+outside the vocabulary reaches the device; a request that goes away after `Submit` and
+before finishing sends exactly one `Abort`, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -13,19 +15,23 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import structlog
 
 from pypto_serving.actors import scheduler as sched_msgs
 from pypto_serving.actors import tokenizer as tok_msgs
 from pypto_serving.actors.base import Actor, unknown
 from pypto_serving.actors.device_worker import TopLogprob
+from pypto_serving.logprobs import token_logprobs
 from pypto_serving.requests import (
     Finished,
     GenerateRequest,
     InvalidRequest,
     Started,
     TextDelta,
+    TokenLogprob,
 )
+from pypto_serving.sampling import SamplingParams
 from pypto_serving.tokenizer.detokenizer import IncrementalDetokenizer
 from pypto_serving.tokenizer.stop import StopMatcher
 from pypto_serving.tokenizer.tokenizer import Tokenizer
@@ -69,9 +75,10 @@ class RequestActor(Actor):
         """Raises InvalidRequest before the first event when the request cannot run."""
         prompt_ids = await self._encode()
         max_tokens = self._max_tokens(prompt_ids)
+        self._check_token_ids(self.request.stop_token_ids, "stop_token_ids")
         self._submit(prompt_ids, max_tokens)
-        yield Started(len(prompt_ids), max_tokens)
-        try:
+        try:  # from here on the sequence exists: closing the stream at any point aborts it
+            yield Started(len(prompt_ids), max_tokens)
             async for event in self._generate(prompt_ids):
                 yield event
         finally:
@@ -92,7 +99,16 @@ class RequestActor(Actor):
                     raise InvalidRequest(message, "messages")
                 case msg:
                     unknown(self, msg)
+        self._check_token_ids(ids, "prompt")
         return self._non_empty(ids)
+
+    def _check_token_ids(self, ids: tuple[int, ...], field: str) -> None:
+        # An id outside the vocabulary would fail inside the device worker, for every request.
+        vocab = self.tokenizer.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise InvalidRequest(f"'{field}' has token id {bad[0]}, outside this model's "
+                                 f"vocabulary: token ids must be in 0..{vocab - 1}", field)
 
     def _non_empty(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         if ids:
@@ -120,9 +136,18 @@ class RequestActor(Actor):
         stops = set(self.request.stop_token_ids)
         if not self.request.ignore_eos:
             stops |= self.tokenizer.eos_token_ids
-        sampling = self.request.sampling
         self.scheduler.tell(sched_msgs.Submit(
-            self.seq_id, prompt_ids, max_tokens, sampling, frozenset(stops), self))
+            self.seq_id, prompt_ids, max_tokens, self._sampling(max_tokens), frozenset(stops), self))
+
+    def _sampling(self, max_tokens: int) -> SamplingParams:
+        """The request's sampling, with what min_tokens needs to mask: EOS (even when it is
+        ignored) and the stop token ids, for at most the tokens this sequence may produce."""
+        sampling = self.request.sampling
+        if sampling.min_tokens <= 0:
+            return sampling
+        banned = self.tokenizer.eos_token_ids | set(self.request.stop_token_ids)
+        return msgspec.structs.replace(sampling, min_tokens=min(sampling.min_tokens, max_tokens),
+                                       eos_token_ids=tuple(sorted(banned)))
 
     async def _generate(self, prompt_ids: tuple[int, ...]) -> AsyncIterator[TextDelta | Finished]:
         detok = IncrementalDetokenizer(self.tokenizer, list(prompt_ids))
@@ -135,13 +160,26 @@ class RequestActor(Actor):
             count += len(msg.token_ids)
             text, stopped = stop.push(detok.push(list(msg.token_ids)))
             if msg.finish_reason is not None and not stopped:
-                more, stopped = stop.push(detok.flush())
-                text += more + ("" if stopped else stop.flush())
+                more, stopped = self._flush(detok, stop)
+                text += more
             if text or msg.token_ids:
-                yield TextDelta(text, msg.token_ids)
+                yield TextDelta(text, msg.token_ids, self._logprobs(msg))
             if stopped or msg.finish_reason is not None:
                 yield self._finish(msg, len(prompt_ids), count, stopped)
                 return
+
+    @staticmethod
+    def _flush(detok: IncrementalDetokenizer, stop: StopMatcher) -> tuple[str, bool]:
+        """The text still held at the end; a held match can turn out to be the stop."""
+        text, stopped = stop.push(detok.flush())
+        if not stopped:
+            text += stop.flush()
+        return text, stop.stopped
+
+    def _logprobs(self, msg: Tokens) -> tuple[TokenLogprob, ...]:
+        if self.request.sampling.logprobs is None or not msg.token_ids:
+            return ()
+        return token_logprobs(self.tokenizer, msg.token_ids, msg.logprobs, msg.top_logprobs)
 
     def _finish(self, msg: Tokens, prompt_tokens: int, count: int, stopped: bool) -> Finished:
         self._done = True

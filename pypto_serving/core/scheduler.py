@@ -48,6 +48,7 @@ class Scheduler:
         self._dropped: list[int] = []  # sequences the worker may forget
         self._step_id = 0
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed (cache hits excluded, recomputes included)
 
     # -- intake ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -134,6 +135,7 @@ class Scheduler:
             n = demand.num_tokens - seq.num_computed
         if n <= 0:
             return None
+        self.num_prefill_tokens += max(0, min(seq.num_computed + n, seq.num_prompt_tokens) - seq.num_computed)
         self._planned[seq.seq_id] = n
         return self._chunk(seq, n)
 

@@ -1,65 +1,137 @@
-"""JSON shapes of responses and stream chunks (OpenAI-compatible)."""
+"""From the engine's typed events to the response Structs of responses.py.
+
+A `Choice` collects one choice's events for a non-streaming response; a `Renderer` builds
+the bodies and chunks of one request (chat or text completion shapes, n choices).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from pypto_serving.requests import Finished
+import msgspec
+
+from pypto_serving.http import responses as r
+from pypto_serving.requests import Candidate, Finished, TextDelta, TokenLogprob
 
 
 def http_finish_reason(reason: str) -> str:
     return "stop" if reason == "eos" else reason
 
 
-def usage(done: Finished) -> dict[str, Any]:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-    }
+def usage(dones: Sequence[Finished]) -> r.Usage:
+    """n choices share one prompt: it counts once; their completions add up."""
+    prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
+    return r.Usage(prompt, completion, prompt + completion,
+                   r.PromptTokensDetails(dones[0].cached_tokens))
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    done: Finished | None = None
+
+    def add(self, delta: TextDelta) -> None:
+        self.text.append(delta.text)
+        self.reasoning.append(delta.reasoning)
+        self.logprobs.extend(delta.logprobs)
+
+
+def _top(c: Candidate) -> r.TopLogprob:
+    return r.TopLogprob(c.text, c.logprob, list(c.utf8))
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> r.ChatLogprobs:
+    return r.ChatLogprobs([
+        r.ChatTokenLogprob(e.chosen.text, e.chosen.logprob, list(e.chosen.utf8),
+                           [_top(c) for c in e.top])
+        for e in entries
+    ])
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> r.CompletionLogprobs:
+    """`offset`: characters of this choice's text before these tokens (earlier chunks)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.chosen.text)
+    tops = [{c.text: c.logprob for c in (*e.top, e.chosen)} for e in entries]
+    return r.CompletionLogprobs([e.chosen.text for e in entries],
+                                [e.chosen.logprob for e in entries], tops, offsets)
 
 
 class Renderer:
-    """Builds the bodies of one response; `chat` picks chat or text completion shapes."""
+    """Builds the bodies of one response. `logprobs`: None when the request asked for none."""
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+    def __init__(self, request_id: str, model: str, chat: bool, logprobs: int | None = None):
         self.request_id = request_id
         self.model = model
         self.chat = chat
+        self.logprobs = logprobs
         self.created = int(time.time())
+        self._offsets: dict[int, int] = {}  # streamed completions: text_offset per choice
 
-    def _envelope(self, obj: str, choices: list, **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created,
-                "model": self.model, "choices": choices, **extra}
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.request_id, "created": self.created, "model": self.model}
 
-    def full(self, text: str, done: Finished) -> dict[str, Any]:
-        reason = http_finish_reason(done.finish_reason)
+    def full(self, choices: Sequence[Choice]) -> r.ChatResponse | r.CompletionResponse:
+        total = usage([c.done for c in choices])
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": reason}
-            return self._envelope("chat.completion", [choice], usage=usage(done))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return self._envelope("text_completion", [choice], usage=usage(done))
+            return r.ChatResponse(object="chat.completion", usage=total, **self._head(),
+                                  choices=[self._chat_choice(i, c) for i, c in enumerate(choices)])
+        return r.CompletionResponse(object="text_completion", usage=total, **self._head(),
+                                    choices=[self._text_choice(i, c) for i, c in enumerate(choices)])
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None,
-              role: bool = False) -> dict[str, Any]:
+    def _chat_choice(self, index: int, c: Choice) -> r.ChatChoice:
+        message = r.AssistantMessage("assistant", "".join(c.text), "".join(c.reasoning) or None)
+        return r.ChatChoice(index, message, self._chat_logprobs(c.logprobs),
+                            http_finish_reason(c.done.finish_reason))
+
+    def _text_choice(self, index: int, c: Choice) -> r.CompletionChoice:
+        return r.CompletionChoice(index, "".join(c.text), self._completion_logprobs(c.logprobs, 0),
+                                  http_finish_reason(c.done.finish_reason))
+
+    def _chat_logprobs(self, entries: Sequence[TokenLogprob]) -> r.ChatLogprobs | None:
+        return None if self.logprobs is None else chat_logprobs(entries)
+
+    def _completion_logprobs(self, entries: Sequence[TokenLogprob],
+                             offset: int) -> r.CompletionLogprobs | None:
+        return None if self.logprobs is None else completion_logprobs(entries, offset)
+
+    def role_chunk(self, index: int) -> r.ChatChunk:
+        """The first chunk of each chat choice: it carries the role, once."""
+        choice = r.ChatChunkChoice(index, r.Delta("assistant", ""), None, None)
+        return r.ChatChunk(object="chat.completion.chunk", choices=[choice], **self._head())
+
+    def chunk(self, index: int, text: str = "", reasoning: str = "",
+              logprobs: Sequence[TokenLogprob] = (),
+              finish_reason: str | None = None) -> r.ChatChunk | r.CompletionResponse:
         reason = None if finish_reason is None else http_finish_reason(finish_reason)
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        return self._envelope("text_completion", [choice])
+            delta = r.Delta(content=text or None, reasoning=reasoning or None)
+            lp = self._chat_logprobs(logprobs) if logprobs else None
+            choice = r.ChatChunkChoice(index, delta, lp, reason)
+            return r.ChatChunk(object="chat.completion.chunk", choices=[choice], **self._head())
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + sum(len(e.chosen.text) for e in logprobs)
+        lp = self._completion_logprobs(logprobs, offset) if logprobs else None
+        choice = r.CompletionChoice(index, text, lp, reason)
+        return r.CompletionResponse(object="text_completion", choices=[choice], **self._head())
 
-    def usage_chunk(self, done: Finished) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(obj, [], usage=usage(done))
+    def usage_chunk(self, dones: Sequence[Finished]) -> r.ChatChunk | r.CompletionResponse:
+        if self.chat:
+            return r.ChatChunk(object="chat.completion.chunk", choices=[], usage=usage(dones),
+                               **self._head())
+        return r.CompletionResponse(object="text_completion", choices=[], usage=usage(dones),
+                                    **self._head())
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
                code: int = 400) -> dict[str, Any]:
-    return {"object": "error", "message": message, "type": kind, "param": param, "code": code}
+    return msgspec.to_builtins(r.ErrorResponse("error", message, kind, param, code))

@@ -7,27 +7,29 @@ render the engine's events.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
-import orjson
+import msgspec
 import structlog
 from aiohttp import web
 
 from pypto_serving.engine import Engine
 from pypto_serving.generate_config import GenerateDefaults
-from pypto_serving.http import protocol
-from pypto_serving.http.render import Renderer, error_body
-from pypto_serving.requests import Finished, GenerateRequest, InvalidRequest, Started, TextDelta
+from pypto_serving.http import bodies, protocol
+from pypto_serving.http.choices import ChoiceStreams, choice_requests
+from pypto_serving.http.openapi import openapi_json
+from pypto_serving.http.render import Choice, Renderer, error_body
+from pypto_serving.requests import Finished, GenerateRequest, InvalidRequest, TextDelta
 
 log = structlog.get_logger()
 
 
 def json_response(body: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+    """`body`: plain JSON values or response Structs."""
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
 def _sse(body: object) -> bytes:
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
 class Handlers:
@@ -43,6 +45,7 @@ class Handlers:
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
+            web.get("/openapi.json", self.openapi),
         ]
 
     async def health(self, request: web.Request) -> web.Response:
@@ -56,76 +59,79 @@ class Handlers:
                 "owned_by": "pypto-serving", "max_model_len": self.engine.config.limits.max_model_len}
         return json_response({"object": "list", "data": [card]})
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=openapi_json(), content_type="application/json")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, protocol.CompletionBody, chat=False)
+        return await self._generate(request, bodies.CompletionBody, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, protocol.ChatBody, chat=True)
+        return await self._generate(request, bodies.ChatBody, chat=True)
 
     async def _generate(self, request: web.Request, body_type: type, chat: bool) -> web.StreamResponse:
         try:
             body = protocol.decode_body(await request.read(), body_type)
-            build = protocol.chat_request if chat else protocol.completion_request
-            gen = build(body, self.defaults)
-            stream = protocol.wants_stream(body, self.defaults)
+            parse = protocol.parse_chat if chat else protocol.parse_completion
+            parsed = parse(body, self.defaults)
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
-        renderer = Renderer(gen.request_id, body.model or self.served_name, chat)
-        return await self._respond(request, gen, renderer, stream)
+        gen = parsed.request
+        renderer = Renderer(gen.request_id, body.model or self.served_name, chat, gen.sampling.logprobs)
+        choices = ChoiceStreams(self.engine, choice_requests(gen, parsed.n))
+        return await self._respond(request, gen, choices, renderer, parsed.stream)
 
-    async def _respond(self, request: web.Request, gen: GenerateRequest, renderer: Renderer,
-                       stream: bool) -> web.StreamResponse:
-        events = self.engine.generate(gen)
+    async def _respond(self, request: web.Request, gen: GenerateRequest, choices: ChoiceStreams,
+                       renderer: Renderer, stream: bool) -> web.StreamResponse:
         try:
-            started = await anext(events)
-            assert isinstance(started, Started)
-            log.info("request received", request_id=gen.request_id,
-                     prompt_tokens=started.prompt_tokens, max_new_tokens=started.max_tokens)
+            await choices.start()  # the engine logs each request's received/finished lines
             if stream:
-                return await self._stream(request, events, renderer)
-            return await self._collect(events, renderer)
+                return await self._stream(request, choices, renderer)
+            return await self._collect(choices, renderer)
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
         finally:
-            await events.aclose()
+            await choices.close()  # aborts whatever has not finished (client gone)
 
-    async def _collect(self, events: AsyncIterator, renderer: Renderer) -> web.Response:
-        parts = []
-        async for event in events:
+    async def _collect(self, choices: ChoiceStreams, renderer: Renderer) -> web.Response:
+        results = [Choice() for _ in range(len(choices))]
+        async for index, event in choices.events():
             match event:
-                case TextDelta(text):
-                    parts.append(text)
+                case TextDelta():
+                    results[index].add(event)
                 case Finished():
-                    log_finished(renderer.request_id, event)
-                    if event.finish_reason == "error" and not parts:
-                        return json_response(error_body(event.error or "engine error",
-                                                        kind="engine_error", code=500), 500)
-                    return json_response(renderer.full("".join(parts), event))
-        raise RuntimeError("request stream ended without a Finished event")
+                    results[index].done = event
+        if all(c.done.finish_reason == "error" and not "".join(c.text) for c in results):
+            return json_response(error_body(results[0].done.error or "engine error",
+                                            kind="engine_error", code=500), 500)
+        return json_response(renderer.full(results))
 
-    async def _stream(self, request: web.Request, events: AsyncIterator,
+    async def _stream(self, request: web.Request, choices: ChoiceStreams,
                       renderer: Renderer) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
+        n = len(choices)
         if renderer.chat:
-            await response.write(_sse(renderer.chunk(text="", role=True)))
-        async for event in events:
+            for index in range(n):
+                await response.write(_sse(renderer.role_chunk(index)))
+        held: list[list] = [[] for _ in range(n)]  # logprobs of tokens whose text is held back
+        dones: list[Finished] = []
+        async for index, event in choices.events():
             match event:
-                case TextDelta(text) if text:
-                    await response.write(_sse(renderer.chunk(text)))
+                case TextDelta() if event.text or event.reasoning:
+                    logprobs, held[index] = held[index] + list(event.logprobs), []
+                    await response.write(_sse(renderer.chunk(index, event.text, event.reasoning,
+                                                             logprobs)))
+                case TextDelta():
+                    held[index].extend(event.logprobs)
                 case Finished():
-                    log_finished(renderer.request_id, event)
-                    await response.write(_sse(renderer.chunk(finish_reason=event.finish_reason)))
-                    await response.write(_sse(renderer.usage_chunk(event)))
+                    dones.append(event)
+                    await response.write(_sse(renderer.chunk(
+                        index, logprobs=held[index], finish_reason=event.finish_reason)))
+        await response.write(_sse(renderer.usage_chunk(dones)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-def log_finished(request_id: str, done: Finished) -> None:
-    log.info("request finished", request_id=request_id, prompt_tokens=done.prompt_tokens,
-             output_tokens=done.completion_tokens, reason=done.finish_reason, error=done.error)
 
 
 @web.middleware

@@ -31,6 +31,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] True = a real context position
     prefills: tuple[PrefillSegment, ...]
     all_decode: bool  # every row is a single-query sequence, in order: no scatter needed
+    decode_lens: torch.Tensor | None = None  # [Bd] context length of each single-query sequence
 
 
 def paged_attention(

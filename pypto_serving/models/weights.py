@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pypto_serving.loader.arch import ModelArch
+from pypto_serving.models.quant import PackedRows, finish_loading
 
 # HF projection -> (our fused module, shard index within its parameter rows).
 FUSED = {
@@ -21,8 +22,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy every (HF name, tensor) into `model`, casting; fail on missing or unknown names."""
-    params = dict(model.named_parameters())
+    """Copy every (HF name, tensor) into `model`, casting (packing quantized weights as they
+    come); fail on missing or unknown names."""
+    params: dict[str, nn.Parameter | PackedRows] = dict(model.named_parameters())
+    params |= {name: m for name, m in model.named_modules() if isinstance(m, PackedRows)}
     expected = {(name, s) for name in params for s in range(len(shard_rows(name, arch)))}
     for hf_name, tensor in weights:
         if hf_name.endswith(IGNORED_SUFFIXES) or _is_tied_head(hf_name, arch):
@@ -35,6 +38,7 @@ def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str,
     if expected:
         missing = sorted({name for name, _ in expected})
         raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing)}")
+    finish_loading(model)
 
 
 def _is_tied_head(hf_name: str, arch: ModelArch) -> bool:
@@ -60,7 +64,12 @@ def shard_rows(name: str, arch: ModelArch) -> list[int]:
     return [-1]
 
 
-def _copy_shard(param: nn.Parameter, rows: list[int], shard: int, tensor: torch.Tensor, hf_name: str) -> None:
+def _copy_shard(
+    param: nn.Parameter | PackedRows, rows: list[int], shard: int, tensor: torch.Tensor, hf_name: str
+) -> None:
+    if isinstance(param, PackedRows):
+        _pack_shard(param, rows, shard, tensor, hf_name)
+        return
     target = param.data
     if rows != [-1]:
         target = target.narrow(0, sum(rows[:shard]), rows[shard])
@@ -68,3 +77,10 @@ def _copy_shard(param: nn.Parameter, rows: list[int], shard: int, tensor: torch.
         raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
     with torch.no_grad():
         target.copy_(tensor)
+
+
+def _pack_shard(weight: PackedRows, rows: list[int], shard: int, tensor: torch.Tensor, hf_name: str) -> None:
+    n = weight.n if rows == [-1] else rows[shard]
+    if tensor.shape != (n, weight.k):
+        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, expected {(n, weight.k)}")
+    weight.load_rows(sum(rows[:shard]) if rows != [-1] else 0, tensor)

@@ -55,7 +55,7 @@ def _attention_metadata(
 ) -> AttentionMetadata:
     single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
     ctx_lens = [s.start_pos + len(s.token_ids) for s in seqs]
-    decode = _decode_group(tables, single, starts, ctx_lens, block_size)
+    *decode, lens = _decode_group(tables, single, starts, ctx_lens, block_size)
     prefills = tuple(
         PrefillSegment(
             start=starts[i],
@@ -66,7 +66,8 @@ def _attention_metadata(
         for i, s in enumerate(seqs)
         if len(s.token_ids) > 1
     )
-    return AttentionMetadata(slot_mapping, *decode, prefills, all_decode=len(single) == len(seqs))
+    return AttentionMetadata(slot_mapping, *decode, prefills, all_decode=len(single) == len(seqs),
+                             decode_lens=lens)
 
 
 def _decode_group(
@@ -75,10 +76,11 @@ def _decode_group(
     starts: list[int],
     ctx_lens: list[int],
     block_size: int,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(rows, slots [Bd, L], mask [Bd, 1, 1, L]) of the single-query sequences, or Nones."""
+) -> tuple[torch.Tensor | None, ...]:
+    """(rows, slots [Bd, L], mask [Bd, 1, 1, L], lens [Bd]) of the single-query sequences,
+    or Nones."""
     if not single:
-        return None, None, None
+        return None, None, None, None
     device = block_tables.device
     index = torch.tensor(single, device=device)
     lens = torch.tensor([ctx_lens[i] for i in single], device=device)
@@ -86,7 +88,7 @@ def _decode_group(
     slots = context_slots(block_tables[index], block_size, longest)
     mask = torch.arange(longest, device=device) < lens.unsqueeze(1)
     rows = torch.tensor([starts[i] for i in single], device=device)
-    return rows, slots, mask[:, None, None, :]
+    return rows, slots, mask[:, None, None, :], lens
 
 
 def _pad_tables(states: list[SeqState], ctx_lens: list[int], block_size: int) -> list[list[int]]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from pypto_serving.loader.arch import ModelArch
@@ -31,7 +34,14 @@ def allocate_kv_cache(
 ) -> list[KVCache]:
     # Zeros, not empty: padded context slots are masked, but 0 * NaN garbage would still be NaN.
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(arch.num_layers)
-    ]
+    zeros = lazy_zeros if device.type == "cpu" else torch.zeros
+    return [(zeros(shape, dtype=dtype, device=device), zeros(shape, dtype=dtype, device=device))
+            for _ in range(arch.num_layers)]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros from calloc: the OS maps zero pages on first touch, so the cache costs resident
+    memory only as blocks are used (torch.zeros writes every byte up front)."""
+    count = math.prod(shape) * dtype.itemsize
+    raw = torch.from_numpy(np.zeros(count, dtype=np.uint8))
+    return raw.view(dtype).view(shape)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from types import ModuleType
 
 import torch
@@ -25,3 +27,18 @@ def accelerator_kv_budget(
 def module_bytes(module: torch.nn.Module) -> int:
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def release_freed_memory() -> None:
+    """Makes glibc give large freed blocks back to the OS (CPU only).
+
+    Loading dequantizes and packs tensor after tensor; glibc's dynamic mmap threshold would
+    keep those freed megabytes in the heap, and the worker's resident memory would stay
+    hundreds of MiB above its weights and KV cache for good.
+    """
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    libc = ctypes.CDLL(libc_name)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: allocations over 1 MiB get their own mapping

@@ -18,7 +18,7 @@ from pypto_serving.actors.device_worker import (
 )
 from pypto_serving.kernels.sampling import SamplerOutput, sample
 from pypto_serving.loader.hf import count_safetensors, load_safetensors
-from pypto_serving.models import build_model, load_weights
+from pypto_serving.models import LayerFactory, build_model, load_weights
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.worker.batch import StepBatch, prepare
 from pypto_serving.worker.kv_cache import (
@@ -27,7 +27,12 @@ from pypto_serving.worker.kv_cache import (
     bytes_per_block,
     num_kv_blocks,
 )
-from pypto_serving.worker.memory import accelerator, accelerator_kv_budget, module_bytes
+from pypto_serving.worker.memory import (
+    accelerator,
+    accelerator_kv_budget,
+    module_bytes,
+    release_freed_memory,
+)
 from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
@@ -64,9 +69,13 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         if self.device.type != "cpu":
             accelerator(self.device)  # on npu this imports torch_npu before the device is touched
+        else:
+            release_freed_memory()
         self.dtype = torch_dtype(cfg.dtype)
         self.kv_dtype = torch_dtype(cfg.kv_cache_dtype, auto=self.dtype)
-        self.model = build_model(cfg.arch, self.dtype, self.device, cfg.max_model_len)
+        # The C kernels are the CPU backend's variant of the packed matmul.
+        layers = LayerFactory(cfg.quantization, fast=cfg.backend == "cpu" and self.dtype == torch.float32)
+        self.model = build_model(cfg.arch, self.dtype, self.device, cfg.max_model_len, layers)
         load_weights(self.model, cfg.arch, weight_source(cfg))
         self.weight_bytes = module_bytes(self.model)
         self.seqs: dict[int, SeqState] = {}

@@ -58,6 +58,15 @@ def test_seeded_sequence_is_the_same_alone_and_batched(driver) -> None:
     assert other_seed != alone
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_packed_weights_keep_greedy_tokens_batch_invariant(driver, quantization: str) -> None:
+    """The CPU kernels give a row the same bits at any batch size: alone (M = 1) and among
+    others (M = 4, prefill chunks mixed in) must agree."""
+    alone = generate(driver("llama", quantization=quantization)[0], 1, 12, SamplingParams())
+    batched = generate(driver("llama", quantization=quantization)[0], 1, 12, SamplingParams(), others=3)
+    assert alone == batched
+
+
 def test_preempted_sequence_continues_its_random_stream(driver) -> None:
     expected = generate(driver("llama")[0], 1, 10, SAMPLED)
     d, _ = driver("llama")

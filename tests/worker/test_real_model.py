@@ -23,12 +23,12 @@ def smollm2() -> str:
         pytest.skip(str(exc))
 
 
-def runner_greedy(path: str, n: int) -> list[int]:
+def runner_greedy(path: str, n: int, quantization: str = "none") -> list[int]:
     cfg = WorkerConfig(
         model_path=path, model_format="gguf", arch=arch_from_gguf(path), dtype="float32",
         kv_cache_dtype="auto", backend="cpu", device="cpu", block_size=2, max_num_blocks=64,
         kv_cache_bytes=1 << 26, gpu_memory_utilization=0.9, max_num_seqs=1, max_model_len=64,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=64, quantization=quantization,
     )  # fmt: skip
     runner = ModelRunner(cfg)
     first = ScheduledSeq(1, PROMPT, 0, [0, 1, 2], True, True, [], len(PROMPT), SamplingParams())
@@ -41,11 +41,23 @@ def runner_greedy(path: str, n: int) -> list[int]:
     return tokens
 
 
-def test_smollm2_greedy_tokens_equal_transformers(smollm2: str) -> None:
+@pytest.fixture(scope="module")
+def transformers_tokens(smollm2: str) -> list[int]:
     from transformers import AutoModelForCausalLM
 
-    ours = runner_greedy(smollm2, NEW_TOKENS)
     hf = AutoModelForCausalLM.from_pretrained(smollm2, gguf_file=smollm2, dtype=torch.float32)
     with torch.no_grad():
         out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert ours == out[0, len(PROMPT) :].tolist()
+    return out[0, len(PROMPT) :].tolist()
+
+
+def test_smollm2_greedy_tokens_equal_transformers(smollm2: str, transformers_tokens: list[int]) -> None:
+    assert runner_greedy(smollm2, NEW_TOKENS) == transformers_tokens
+
+
+def test_packed_smollm2_greedy_tokens_equal_transformers(
+    smollm2: str, transformers_tokens: list[int]
+) -> None:
+    """The server's CPU default: Q4_1 linears packed losslessly to int4, the Q8_0 embedding to
+    int8, so only the order of additions differs from the fp32 path."""
+    assert runner_greedy(smollm2, NEW_TOKENS, quantization="auto") == transformers_tokens

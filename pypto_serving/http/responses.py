@@ -1,0 +1,140 @@
+"""Response bodies and stream chunks (OpenAI-compatible shapes), as msgspec Structs.
+
+render.py fills them and /openapi.json is generated from them, so what the server sends
+and what it documents cannot drift apart. Fields with `omit_defaults` vanish when unset
+(a chat delta carries only what changed; a chunk has no usage).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "aborted", "error", "tool_calls"]
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    utf8: list[int] = msgspec.field(name="bytes")
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    utf8: list[int] = msgspec.field(name="bytes")
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """Per token: its text, logprob, {text: logprob} of the top candidates, and its offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(msgspec.Struct, omit_defaults=True):
+    """A text completion, or one chunk of a streamed one (chunks have no usage)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatResponse(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatChunk(msgspec.Struct, omit_defaults=True):
+    """One event of a streamed chat completion; the last one has no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    object: Literal["error"]
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(msgspec.Struct, omit_defaults=True):
+    status: Literal["ok", "error"]
+    reason: str | None = None

@@ -1,0 +1,84 @@
+"""CPU-specific kernels in C (AVX2 + FMA + F16C), built with the system C compiler on first use.
+
+The shared library is cached by source hash under ~/.cache/pypto-serving/kernels and called
+through ctypes (which releases the GIL). It uses OpenMP: torch has already loaded its own
+`libgomp.so.1`, so the library binds to that runtime and shares torch's thread pool rather
+than starting a second one. `available()` is False (and callers use the portable kernels)
+when the CPU lacks the instructions or no compiler is found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.c", "decoder.c")]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "qlinear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P],
+    "qgather": [_P, _I, _I, _P, _P, _P, _I, _P],
+    "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
+    "silu_and_mul": [_P, _I, _I, _P],
+    "rope_write_kv": [_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I],
+    "decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P, _P, _I],
+}
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "pypto-serving" / "kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def _build(compiler: str) -> Path:
+    """Compiles once per source version; concurrent builders race to an atomic rename."""
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"kernels-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        command = [compiler, *FLAGS, *map(str, SOURCES), "-lm", "-o", str(out)]
+        subprocess.run(command, check=True, capture_output=True)
+        os.replace(out, target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run here."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags() or compiler is None:
+        return None
+    torch.get_num_threads()  # torch (and with it its libgomp) is loaded before our library
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    for name, args in SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None

@@ -1,0 +1,181 @@
+/* The small per-layer kernels of a decode step, fused, for x86-64 with AVX2 + FMA: at batch 1
+ * a layer is ~60 tiny torch ops whose dispatch costs more than their arithmetic.
+ * All float32, row-major; every row (token, or sequence for attention) is computed on its
+ * own, so results do not depend on the batch.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE_LOAD static inline __attribute__((always_inline))
+
+/* exp for x <= 0 (softmax after max subtraction, silu of -|x|): Cephes-style, ~1 ulp. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* residual += x (when x is given), out = rms_norm(residual) * weight; d % 8 == 0. */
+void add_rms_norm(const float *x, float *residual, const float *weight, float eps, int64_t t, int64_t d,
+                  float *out) {
+#pragma omp parallel for schedule(static) if (t > 16)
+    for (int64_t i = 0; i < t; i++) {
+        float *r = residual + i * d;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 8) {
+            __m256 v = _mm256_loadu_ps(r + j);
+            if (x) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(x + i * d + j));
+                _mm256_storeu_ps(r + j, v);
+            }
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+        for (int64_t j = 0; j < d; j += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(r + j), inv);
+            _mm256_storeu_ps(out + i * d + j, _mm256_mul_ps(v, _mm256_loadu_ps(weight + j)));
+        }
+    }
+}
+
+/* gate_up [t, 2 * n] -> out [t, n] = silu(gate) * up; n % 8 == 0. */
+void silu_and_mul(const float *gate_up, int64_t t, int64_t n, float *out) {
+#pragma omp parallel for schedule(static) if (t > 16)
+    for (int64_t i = 0; i < t; i++) {
+        const float *g = gate_up + i * 2 * n, *u = g + n;
+        for (int64_t j = 0; j < n; j += 8) {
+            __m256 v = _mm256_loadu_ps(g + j);
+            __m256 neg_abs = _mm256_or_ps(v, _mm256_set1_ps(-0.0f));
+            __m256 e = exp8(neg_abs); /* exp(-|v|): no overflow */
+            __m256 one = _mm256_set1_ps(1.0f);
+            /* sigmoid(v) = 1 / (1 + exp(-v)) = v >= 0 ? 1 / (1 + e) : e / (1 + e) */
+            __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ)),
+                                       _mm256_add_ps(one, e));
+            _mm256_storeu_ps(out + i * n + j, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(u + j)));
+        }
+    }
+}
+
+/* Rotate-half rotary on heads [t, heads, d] (row stride ld), cos/sin [t, d / 2]; in place. */
+static void rotate(float *x, int64_t ld, int64_t heads, int64_t d, const float *cos, const float *sin) {
+    int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *a = x + h * d, *b = a + half;
+        for (int64_t j = 0; j < half; j += 8) {
+            __m256 c = _mm256_loadu_ps(cos + j), s = _mm256_loadu_ps(sin + j);
+            __m256 va = _mm256_loadu_ps(a + j), vb = _mm256_loadu_ps(b + j);
+            _mm256_storeu_ps(a + j, _mm256_fmsub_ps(va, c, _mm256_mul_ps(vb, s)));
+            _mm256_storeu_ps(b + j, _mm256_fmadd_ps(vb, c, _mm256_mul_ps(va, s)));
+        }
+    }
+    (void)ld;
+}
+
+/* qkv [t, (heads + 2 kv_heads) d]: rotates q and k in place, then stores k and v at their
+ * slots of the caches [slots, kv_heads, d]. cos/sin rows [t, d / 2] with row stride ld_cs.
+ * d % 16 == 0. */
+/* Stores n floats (n % 8 == 0) as float32 or, with half, as float16. */
+static void store_kv(void *dst, const float *src, int64_t n, int half) {
+    if (!half) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    for (int64_t j = 0; j < n; j += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+}
+
+INLINE_LOAD __m256 load_kv(const void *base, int64_t index, int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + index)));
+    return _mm256_loadu_ps((const float *)base + index);
+}
+
+/* qkv [t, (heads + 2 kv_heads) d]: rotates q and k in place, then stores k and v at their
+ * slots of the caches [slots, kv_heads, d] (float32, or float16 with kv_half). */
+void rope_write_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
+                   const float *sin, int64_t ld_cs, const int64_t *slots, void *k_cache, void *v_cache,
+                   int64_t kv_half) {
+    int64_t ld = (heads + 2 * kv_heads) * d, kv = kv_heads * d, esize = kv_half ? 2 : 4;
+#pragma omp parallel for schedule(static) if (t > 16)
+    for (int64_t i = 0; i < t; i++) {
+        float *row = qkv + i * ld;
+        rotate(row, ld, heads + kv_heads, d, cos + i * ld_cs, sin + i * ld_cs);
+        store_kv((char *)k_cache + slots[i] * kv * esize, row + heads * d, kv, (int)kv_half);
+        store_kv((char *)v_cache + slots[i] * kv * esize, row + (heads + kv_heads) * d, kv, (int)kv_half);
+    }
+}
+
+/* One query head over a context of n slots: out [d] = softmax(q . k * scale) @ v. */
+INLINE_LOAD void attend_head(const float *q, const void *k_cache, const void *v_cache, const int64_t *slots,
+                             int64_t n, int64_t kv_stride, int64_t d, float scale, float *scores, float *out,
+                             const int half) {
+    float mx = -INFINITY;
+    for (int64_t l = 0; l < n; l++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load_kv(k_cache, slots[l] * kv_stride + j, half), acc);
+        scores[l] = hsum8(acc) * scale;
+        mx = scores[l] > mx ? scores[l] : mx;
+    }
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int64_t l = 0;
+    for (; l + 8 <= n; l += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + l), vmx));
+        _mm256_storeu_ps(scores + l, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    for (; l < n; l++) {
+        scores[l] = expf(scores[l] - mx);
+        sum += scores[l];
+    }
+    __m256 acc[8];
+    int64_t vecs = d / 8;
+    for (int64_t j = 0; j < vecs; j++) acc[j] = _mm256_setzero_ps();
+    for (l = 0; l < n; l++) {
+        __m256 p = _mm256_set1_ps(scores[l]);
+        for (int64_t j = 0; j < vecs; j++)
+            acc[j] = _mm256_fmadd_ps(p, load_kv(v_cache, slots[l] * kv_stride + j * 8, half), acc[j]);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int64_t j = 0; j < vecs; j++) _mm256_storeu_ps(out + j * 8, _mm256_mul_ps(acc[j], inv));
+}
+
+/* One query per sequence: q rows [b] (row stride ldq, heads * d used), slots [b, max_len]
+ * padded, lens [b]; out [b, heads * d]. Caches float32, or float16 with kv_half.
+ * d % 8 == 0 and d <= 64; scores: b * heads * max_len floats. */
+void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
+                      const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
+                      const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half) {
+    int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4;
+#pragma omp parallel for schedule(dynamic) collapse(2)
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            const char *k = (const char *)k_cache + (h / group) * d * esize;
+            const char *v = (const char *)v_cache + (h / group) * d * esize;
+            const float *qh = q + i * ldq + h * d;
+            float *sc = scores + (i * heads + h) * max_len, *o = out + i * heads * d + h * d;
+            if (kv_half) attend_head(qh, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, o, 1);
+            else attend_head(qh, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, o, 0);
+        }
+}

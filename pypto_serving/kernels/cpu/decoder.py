@@ -1,0 +1,70 @@
+"""The fused per-layer kernels of decoder.c, each with the portable kernel's contract
+(float32 only; see kernels/decoder_ops.py for when they are used)."""
+
+from __future__ import annotations
+
+import torch
+
+from pypto_serving.kernels.cpu import library
+
+
+def add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is written into `residual` in place."""
+    out = torch.empty_like(residual)
+    library().add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, residual.shape[0],
+                           residual.shape[1], out.data_ptr())
+    return out, residual
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    library().add_rms_norm(None, x.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x [t, 2 * n] = [gate | up] -> silu(gate) * up [t, n]."""
+    n = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n)
+    library().silu_and_mul(x.data_ptr(), x.shape[0], n, out.data_ptr())
+    return out
+
+
+def rope_write_kv_cpu(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """qkv [t, (heads + 2 kv_heads) d]: q and k rotated in place (cos/sin [t, 1, d / 2] with
+    equal row strides), k and v stored at their slots (caches float32 or float16)."""
+    d = k_cache.shape[-1]
+    slot_mapping = slot_mapping.contiguous()
+    library().rope_write_kv(qkv.data_ptr(), qkv.shape[0], heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(),
+                            cos.stride(0), slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                            k_cache.dtype == torch.float16)
+
+
+def decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [b, heads, d] (rows may be strided), slots [b, L] padded, lens [b] -> [b, heads, d]."""
+    b, heads, d = q.shape
+    slots, lens = slots.contiguous(), lens.contiguous()  # slots is often a cut of wider block rows
+    out = torch.empty(b, heads, d)
+    scores = torch.empty(b * heads * slots.shape[1])
+    library().decode_attention(q.data_ptr(), q.stride(0), b, heads, k_cache.shape[2], d, k_cache.data_ptr(),
+                               v_cache.data_ptr(), slots.data_ptr(), slots.shape[1], lens.data_ptr(), scale,
+                               scores.data_ptr(), out.data_ptr(), k_cache.dtype == torch.float16)
+    return out

@@ -1,0 +1,51 @@
+"""The C kernels of qlinear.c over `PackedWeight`s: same contract as the portable
+`quant_linear` / `quant_embedding`, fp32 activations only.
+
+A decode step makes ~120 of these calls, so the weight's pointers are turned into ctypes
+arguments once per weight (cached on it), not on every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+from pypto_serving.kernels.cpu import library
+from pypto_serving.kernels.quant_linear import PANEL, PackedWeight
+
+_ARGS: weakref.WeakKeyDictionary[PackedWeight, tuple] = weakref.WeakKeyDictionary()
+
+
+def _weight_args(w: PackedWeight) -> tuple:
+    """(k, n_blocks, q, scale, zero, bits) as ctypes values; `w` keeps its tensors alive."""
+    args = _ARGS.get(w)
+    if args is None:
+        ptrs = (ctypes.c_void_p(t.data_ptr()) for t in (w.q, w.scale, w.zero))
+        args = _ARGS[w] = (ctypes.c_int64(w.k), ctypes.c_int64(w.q.shape[0]), *ptrs, ctypes.c_int64(w.bits))
+    return args
+
+
+def quant_linear_cpu(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] float32 -> [..., n]; bias padded to whole panels (n_blocks * 16)."""
+    if x.dim() != 2:
+        return quant_linear_cpu(x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    args = _weight_args(w)
+    out = torch.empty(x.shape[0], args[1].value * PANEL)
+    if x.shape[0]:
+        library().qlinear(x.data_ptr(), x.shape[0], *args, bias if bias is None else bias.data_ptr(),
+                          out.data_ptr())
+    return out if out.shape[1] == w.n else out[:, : w.n]
+
+
+def quant_embedding_cpu(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """Rows `ids` [t] of the weight -> [t, k] float32."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), w.k, dtype=torch.float32)
+    if ids.numel():
+        k, _, q, scale, zero, bits = _weight_args(w)
+        library().qgather(ids.data_ptr(), ids.numel(), k, q, scale, zero, bits, out.data_ptr())
+    return out

@@ -1,0 +1,145 @@
+"""Weight-only quantized layers: linears and embeddings whose weights are packed as they load.
+
+`--quantization`: "none" keeps nn.Linear / nn.Embedding in the model dtype (exact path);
+"int8" packs every weight to int8; "int4" packs decoder linears to int4 and embeddings /
+lm_head to int8; "auto" is "int4" for a linear whose weights already sit on a 4-bit grid
+(GGUF Q4_0 / Q4_1: lossless), otherwise int8. The matmul is the CPU kernel when it can run
+here, else the portable dequantize-then-F.linear one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pypto_serving.kernels import quant_linear as portable
+from pypto_serving.kernels.decoder_ops import DecoderOps, decoder_ops
+from pypto_serving.kernels.quant_linear import PackedWeight, can_pack, pack
+
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
+LOSSLESS_STEP_FRACTION = 0.01  # a weight within 1% of a level's step counts as on the grid
+
+Matmul = Callable[[torch.Tensor, PackedWeight, torch.Tensor | None], torch.Tensor]
+Gather = Callable[[torch.Tensor, PackedWeight], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class QuantKernels:
+    matmul: Matmul
+    gather: Gather
+
+
+def quant_kernels(fast: bool) -> QuantKernels:
+    """The C kernels where asked for and runnable, else the portable ones."""
+    from pypto_serving.kernels import cpu
+
+    if fast and cpu.available():
+        from pypto_serving.kernels.cpu.qlinear import quant_embedding_cpu, quant_linear_cpu
+
+        return QuantKernels(quant_linear_cpu, quant_embedding_cpu)
+    return QuantKernels(portable.quant_linear, portable.quant_embedding)
+
+
+class PackedRows(nn.Module):
+    """A weight [n, k] that arrives in row shards and is packed once every row is in."""
+
+    def __init__(self, n: int, k: int, bits: int | None) -> None:
+        super().__init__()
+        self.n, self.k, self.bits = n, k, bits  # bits None: 4 if lossless, else 8
+        self.packed: PackedWeight | None = None
+        self._staged: dict[int, torch.Tensor] = {}
+
+    def load_rows(self, start: int, rows: torch.Tensor) -> None:
+        if rows.shape[1] != self.k or start + rows.shape[0] > self.n:
+            raise ValueError(f"rows {start}..{start + rows.shape[0]} of width {rows.shape[1]} do not fit "
+                             f"a [{self.n}, {self.k}] weight")
+        self._staged[start] = rows.float()
+        if sum(t.shape[0] for t in self._staged.values()) == self.n:
+            self._pack(torch.cat([self._staged[s] for s in sorted(self._staged)]))
+            self._staged = {}
+
+    def _pack(self, w: torch.Tensor) -> None:
+        packed, error = pack(w, self.bits or 4)
+        if self.bits is None and error > LOSSLESS_STEP_FRACTION:
+            packed, _ = pack(w, 8)
+        self.packed = packed
+        for name in ("q", "scale", "zero"):  # buffers, so weight-size accounting sees them
+            self.register_buffer(name, getattr(packed, name), persistent=False)
+
+    def check_loaded(self, name: str) -> None:
+        if self.packed is None:
+            raise ValueError(f"checkpoint lacks rows of {name}")
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int | None,
+                 kernels: QuantKernels) -> None:
+        super().__init__()
+        self.weight = PackedRows(out_features, in_features, bits)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.kernels = kernels
+        self._panel_bias: torch.Tensor | None = None
+
+    def finish_loading(self) -> None:
+        """Bias padded to whole panels, as the kernel reads it."""
+        if self.bias is not None:
+            pad = self.weight.packed.q.shape[0] * 16 - self.bias.shape[0]
+            self._panel_bias = torch.nn.functional.pad(self.bias.detach().float(), (0, pad))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.matmul(x, self.weight.packed, self._panel_bias)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table packed like a linear's weight; `as_linear` is the tied lm_head."""
+
+    def __init__(self, num_embeddings: int, dim: int, kernels: QuantKernels) -> None:
+        super().__init__()
+        self.weight = PackedRows(num_embeddings, dim, 8)
+        self.kernels = kernels
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gather(ids, self.weight.packed)
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.matmul(x, self.weight.packed, None)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFactory:
+    """Builds the model's linears and embedding for one quantization setting."""
+
+    quantization: str = "none"
+    fast: bool = False
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; expected one of {QUANTIZATIONS}")
+
+    def linear(self, in_features: int, out_features: int, bias: bool = False,
+               head: bool = False) -> nn.Module:
+        if self.quantization == "none" or not can_pack(out_features, in_features):
+            return nn.Linear(in_features, out_features, bias=bias)
+        bits = {"int8": 8, "int4": 4, "auto": None}[self.quantization]
+        return QuantLinear(in_features, out_features, bias, 8 if head else bits, quant_kernels(self.fast))
+
+    def decoder_ops(self) -> DecoderOps:
+        """The fused CPU kernels come with packed weights; the exact path stays portable."""
+        return decoder_ops(self.fast and self.quantization != "none")
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        if self.quantization == "none" or not can_pack(num_embeddings, dim):
+            return nn.Embedding(num_embeddings, dim)
+        return QuantEmbedding(num_embeddings, dim, quant_kernels(self.fast))
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Every packed weight is complete; biases are laid out for the kernels."""
+    for name, module in model.named_modules():
+        if isinstance(module, PackedRows):
+            module.check_loaded(name)
+        if isinstance(module, QuantLinear):
+            module.finish_loading()

@@ -1,0 +1,85 @@
+"""One request's observation: its metric samples, its two log lines and its trace events.
+
+The engine wraps every request's event stream in a `RequestObserver`, so request-level
+numbers are taken in one place whatever the caller (HTTP or offline): arrival is the call to
+`Engine.generate`, the first token is the first `TextDelta` that carries token ids, the end
+is `Finished` or, when the caller stops listening first, the close of the stream (aborted).
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from pypto_serving.metrics import EngineMetrics, finish_label
+from pypto_serving.profiling import SpanRecorder
+from pypto_serving.requests import Finished, Started, TextDelta
+
+log = structlog.get_logger()
+
+
+class RequestObserver:
+    def __init__(self, request_id: str, metrics: EngineMetrics, recorder: SpanRecorder):
+        self.request_id = request_id
+        self.metrics = metrics
+        self.recorder = recorder
+        self.log = log.bind(request_id=request_id)
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.started = False
+        self.finished = False
+
+    def on_event(self, event: object) -> None:
+        match event:
+            case Started(prompt_tokens, max_tokens):
+                self._started(prompt_tokens, max_tokens)
+            case TextDelta(_, token_ids) if token_ids:
+                self._tokens(len(token_ids))
+            case Finished():
+                self._finished(event.finish_reason, event.prompt_tokens, event.completion_tokens,
+                               cached_tokens=event.cached_tokens, error=event.error)
+
+    def close(self) -> None:
+        """The stream was closed: a started request that did not finish was abandoned."""
+        if self.started and not self.finished:
+            self._finished("aborted", self.prompt_tokens, self.output_tokens)
+
+    def _started(self, prompt_tokens: int, max_tokens: int) -> None:
+        self.started = True
+        self.prompt_tokens = prompt_tokens
+        self.metrics.request_started(prompt_tokens)
+        self.log.info("request received", prompt_tokens=prompt_tokens, max_new_tokens=max_tokens)
+
+    def _tokens(self, count: int) -> None:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.observe("ttft", now - self.arrival)
+        else:
+            self.metrics.observe("itl", now - self.last_token)
+        self.last_token = now
+        self.output_tokens += count
+        self.metrics.tokens_generated(count)
+        if self.recorder.verbose:
+            self.recorder.instant("token", "request", request_id=self.request_id, count=count)
+
+    def _finished(self, reason: str, prompt_tokens: int, output_tokens: int,
+                  cached_tokens: int = 0, error: str | None = None) -> None:
+        self.finished = True
+        if output_tokens > self.output_tokens:  # tokens the stream did not show one by one
+            self.metrics.tokens_generated(output_tokens - self.output_tokens)
+        latency = time.monotonic() - self.arrival
+        self.metrics.observe("e2e", latency)
+        if self.first_token is not None and output_tokens > 1:
+            self.metrics.observe("tpot", (self.last_token - self.first_token) / (output_tokens - 1))
+        self.metrics.request_finished(reason, prompt_tokens, output_tokens)
+        fields = {"error": error} if error else {}
+        self.log.info("request finished", prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                      cached_tokens=cached_tokens, reason=finish_label(reason),
+                      latency_s=round(latency, 3),
+                      ttft_s=None if self.first_token is None else round(self.first_token - self.arrival, 3),
+                      tokens_per_s=round(output_tokens / latency, 1) if latency > 0 else 0.0, **fields)

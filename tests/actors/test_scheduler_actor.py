@@ -1,0 +1,94 @@
+"""SchedulerActor with a fake worker: shutdown aborts, worker death, queue-time samples."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pypto_serving.actors.base import Actor
+from pypto_serving.actors.device_worker import StepPlan
+from pypto_serving.actors.kv_allocator import KVAllocatorActor
+from pypto_serving.actors.request import Tokens
+from pypto_serving.actors.scheduler import AbortAll, SchedulerActor, Submit, WorkerDied
+from pypto_serving.core.block_allocator import BlockAllocator
+from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
+from pypto_serving.metrics import EngineMetrics
+from pypto_serving.sampling import SamplingParams
+
+
+class Inbox(Actor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[Tokens] = []
+
+    async def receive(self, msg: object) -> None:
+        self.received.append(msg)
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.plans: list[StepPlan] = []
+
+    def send(self, plan: StepPlan) -> None:
+        self.plans.append(plan)  # never answers: the step stays in flight
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def started(max_num_seqs: int = 1) -> tuple[SchedulerActor, BlockAllocator, EngineMetrics]:
+    alloc, metrics = BlockAllocator(16, 4), EngineMetrics("tiny")
+    policy = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=64))
+    kv = KVAllocatorActor(alloc)
+    actor = SchedulerActor(policy, kv, FakeWorker(), metrics)
+    metrics.bind(policy, alloc)
+    kv.start()
+    actor.start()
+    return actor, alloc, metrics
+
+
+async def stop(actor: SchedulerActor, inbox: Inbox) -> None:
+    for each in (actor, actor.kv, inbox):
+        await each.stop()
+
+
+def submit(actor: SchedulerActor, inbox: Inbox, seq_id: int) -> None:
+    actor.tell(Submit(seq_id, tuple(range(10)), 8, SamplingParams(), frozenset(), inbox))
+
+
+async def test_abort_all_ends_running_and_waiting_and_later_submissions():
+    actor, alloc, metrics = await started(max_num_seqs=1)
+    inbox = Inbox()
+    inbox.start()
+    submit(actor, inbox, 0)
+    submit(actor, inbox, 1)
+    await settle()
+    assert metrics.gauges()["running"] == 1 and metrics.gauges()["waiting"] == 1
+    assert metrics.histograms["queue_time"].count == 1  # only the running one was scheduled
+    actor.tell(AbortAll("aborted"))
+    submit(actor, inbox, 2)
+    await settle()
+    assert sorted((m.seq_id, m.finish_reason) for m in inbox.received) == [
+        (0, "aborted"), (1, "aborted"), (2, "aborted")]
+    assert metrics.gauges() == {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
+    alloc.check_integrity()
+    await stop(actor, inbox)
+
+
+async def test_worker_death_errors_every_request_and_frees_its_blocks():
+    actor, alloc, metrics = await started(max_num_seqs=4)
+    inbox = Inbox()
+    inbox.start()
+    for seq_id in range(3):
+        submit(actor, inbox, seq_id)
+    await settle()
+    assert alloc.usage > 0
+    actor.tell(WorkerDied("device worker cpu died (exit code -9)"))
+    submit(actor, inbox, 3)
+    await settle()
+    assert [m.finish_reason for m in inbox.received] == ["error"] * 4
+    assert all("died" in m.error for m in inbox.received)
+    assert alloc.usage == 0.0 and actor.dead_reason is not None
+    alloc.check_integrity()
+    await stop(actor, inbox)

@@ -1,0 +1,74 @@
+"""The CPU backend's fused decoder kernels against the portable set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pypto_serving.actors.device_worker import ScheduledSeq
+from pypto_serving.kernels import cpu
+from pypto_serving.kernels.decoder_ops import PORTABLE, decoder_ops
+from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq, rotary_cos_sin
+from pypto_serving.sampling import SamplingParams
+from pypto_serving.worker.batch import prepare
+from pypto_serving.worker.seq_state import SeqState
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 64, 4
+CLOSE = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def fast():
+    return decoder_ops(fast=True)
+
+
+def test_norms_and_activation_match(fast) -> None:
+    x, residual, weight = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    torch.testing.assert_close(fast.rms_norm(x, weight, 1e-5), PORTABLE.rms_norm(x, weight, 1e-5), **CLOSE)
+    expected = PORTABLE.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    got = fast.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **CLOSE)
+    gate_up = torch.randn(7, 2 * 40) * 6  # large |x|: both branches of the stable sigmoid
+    torch.testing.assert_close(fast.silu_and_mul(gate_up), PORTABLE.silu_and_mul(gate_up), **CLOSE)
+
+
+def step(chunks: list[tuple[int, int]]) -> tuple:
+    """A step of sequences (already cached tokens, new tokens): metadata, rotary, fused qkv."""
+    seqs, states = [], []
+    next_block = 1
+    for i, (start, n) in enumerate(chunks):
+        blocks = list(range(next_block, next_block + -(-(start + n) // BLOCK)))
+        next_block += len(blocks)
+        seqs.append(ScheduledSeq(i, list(range(n)), start, blocks, True))
+        states.append(SeqState(blocks, list(range(start + n)), start + n, SamplingParams(), None))
+    batch = prepare(seqs, states, BLOCK, torch.device("cpu"))
+    cache = rope_cache(rope_inv_freq(DIM, 10000.0, None), 256)
+    qkv = torch.randn(len(batch.input_ids), (HEADS + 2 * KV_HEADS) * DIM)
+    return batch.attn, rotary_cos_sin(cache, batch.positions, torch.float32), qkv
+
+
+def attend_with(ops, qkv: torch.Tensor, rotary, meta, kv) -> torch.Tensor:
+    q, k, v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+    t = qkv.shape[0]
+    views = q.view(t, HEADS, DIM), k.view(t, KV_HEADS, DIM), v.view(t, KV_HEADS, DIM)
+    return ops.attend(*views, rotary, kv, meta, DIM**-0.5)
+
+
+@pytest.mark.parametrize("chunks", [
+    [(0, 9), (0, 3)],  # prefills: fused rotary + KV write, portable attention
+    [(8, 1), (3, 1), (13, 1)],  # all decode: fused attention over padded contexts
+    [(8, 1), (0, 6), (5, 1)],  # mixed
+])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_attend_matches_portable(fast, chunks: list[tuple[int, int]], kv_dtype: torch.dtype) -> None:
+    meta, rotary, qkv = step(chunks)
+    torch.manual_seed(0)
+    kv = tuple(torch.randn(12, BLOCK, KV_HEADS, DIM).to(kv_dtype) for _ in range(2))
+    fast_kv = tuple(t.clone() for t in kv)
+    expected = attend_with(PORTABLE, qkv.clone(), rotary, meta, kv)
+    got = attend_with(fast, qkv.clone(), rotary, meta, fast_kv)
+    torch.testing.assert_close(got, expected, **CLOSE)
+    for a, b in zip(fast_kv, kv, strict=True):
+        torch.testing.assert_close(a, b, **CLOSE)

@@ -1,0 +1,107 @@
+"""Packed int8 / int4 weights: lossless packing of GGUF-style grids, and the CPU kernels
+against the portable dequantize-then-F.linear path, including batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pypto_serving.kernels import cpu
+from pypto_serving.kernels.quant_linear import (
+    GROUP,
+    dequantize,
+    pack,
+    quant_embedding,
+    quant_linear,
+)
+
+needs_kernels = pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
+
+
+def on_grid(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
+    """Weights as GGUF Q4_1 (q * d + m, q in 0..15) or Q8_0 (q * d) dequantize them: fp16
+    scales, and every group reaching both ends of its range, as llama.cpp's quantizer makes it."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // GROUP
+    d = (torch.rand(n, groups, 1, generator=g) * 0.02 + 0.001).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (n, groups, GROUP), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15
+        m = (torch.randn(n, groups, 1, generator=g) * 0.1).half().float()
+        return (q * d + m).view(n, k)
+    q = torch.randint(-127, 128, (n, groups, GROUP), generator=g).float()
+    q[..., 0] = 127
+    return (q * d).view(n, k)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gguf_grids_pack_losslessly(bits: int) -> None:
+    w = on_grid(40, 96, bits)
+    packed, error = pack(w, bits)
+    assert error < 1e-3
+    assert torch.equal(dequantize(packed), w)
+
+
+def test_off_grid_weights_report_their_error() -> None:
+    w = torch.randn(32, 64)
+    packed, error = pack(w, 4)
+    assert 0.3 < error <= 0.5  # rounding to the nearest of 16 levels: at most half a step
+    step = (w.view(32, 2, 32).amax(-1) - w.view(32, 2, 32).amin(-1)) / 15
+    assert ((dequantize(packed) - w).abs().view(32, 2, 32) <= step.unsqueeze(-1) * 0.51).all()
+
+
+def test_portable_linear_is_f_linear_of_the_dequantized_weight() -> None:
+    w, x, bias = torch.randn(24, 64), torch.randn(5, 64), torch.randn(24)
+    packed, _ = pack(w, 8)
+    expected = torch.nn.functional.linear(x, dequantize(packed), bias)
+    assert torch.equal(quant_linear(x, packed, bias), expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 13, 40])
+def test_cpu_kernel_matches_portable(bits: int, m: int) -> None:
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu
+
+    n, k = 40, 96  # n is not a whole number of 16-row panels: padded and cut
+    packed, _ = pack(torch.randn(n, k), bits)
+    x = torch.randn(m, k)
+    bias = torch.randn(48)  # padded to the panels
+    got = quant_linear_cpu(x, packed, bias)
+    torch.testing.assert_close(got, quant_linear(x, packed, bias), rtol=1e-5, atol=1e-5)
+    assert got.shape == (m, n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(bits: int) -> None:
+    """Bit for bit: one row alone (the decode path) equals that row among 40 (the tiled path,
+    over more than one pass of rows since k is large)."""
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu
+
+    packed, _ = pack(torch.randn(64, 2048), bits)
+    x = torch.randn(40, 2048)
+    together = quant_linear_cpu(x, packed)
+    alone = torch.cat([quant_linear_cpu(x[i : i + 1], packed) for i in range(40)])
+    pairs = torch.cat([quant_linear_cpu(x[i : i + 2], packed)[:1] for i in range(39)])
+    assert torch.equal(together, alone)
+    assert torch.equal(together[:39], pairs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_gather_equals_portable_rows(bits: int) -> None:
+    from pypto_serving.kernels.cpu.qlinear import quant_embedding_cpu
+
+    packed, _ = pack(torch.randn(50, 64), bits)
+    ids = torch.tensor([0, 7, 8, 15, 16, 49, 7])
+    assert torch.equal(quant_embedding_cpu(ids, packed), quant_embedding(ids, packed))
+
+
+@needs_kernels
+def test_cpu_kernel_takes_leading_dims_and_strided_input() -> None:
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu
+
+    packed, _ = pack(torch.randn(32, 64), 4)
+    x = torch.randn(3, 4, 128)[..., ::2]
+    torch.testing.assert_close(quant_linear_cpu(x, packed), quant_linear(x, packed), rtol=1e-5, atol=1e-5)
