@@ -1,0 +1,48 @@
+"""benchmarks/compare.py without servers: workloads, ratio summary, JSON, server commands."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.compare import Runs, build_parser, summary, to_json, workloads
+from benchmarks.serve_bench import BenchConfig, RequestResult, summarize
+from benchmarks.servers import PORT, Server, llama_server_command, ours_command
+
+
+def result(tokens_per_s: float, ttft_s: float) -> object:
+    done = RequestResult(prompt_len=128, ok=True, ttft=ttft_s, e2e=ttft_s + 1,
+                         output_tokens=int(tokens_per_s))
+    return summarize(BenchConfig(), [done], duration_s=1.0)
+
+
+def test_workloads_cover_the_issue_loads() -> None:
+    loads = {w.name: w for w in workloads(1.0)}
+    assert loads["c1 128/128"].bench.concurrency == 1
+    assert loads["c16 512/128"].bench.input_len == 512
+    shared = loads["c16 shared 400+64/128"]
+    assert shared.bench.dataset == "shared-prefix" and shared.bench.prefix_len == 400
+    assert "ours-no-prefix-cache" in shared.servers
+    assert all(w.bench.ignore_eos and w.bench.temperature == 0.0 for w in loads.values())
+
+
+def test_summary_reports_ratios_per_repetition() -> None:
+    runs = Runs()
+    for ours, llama in [(300, 100), (360, 120), (250, 100)]:
+        runs.add("c16 128/128", "ours", result(ours, 1.0))
+        runs.add("c16 128/128", "llama", result(llama, 4.0))
+    loads = [w for w in workloads(1.0) if w.name == "c16 128/128"]
+    text = "\n".join(summary(runs, loads))
+    assert "c16 128/128: ours / llama" in text
+    assert "3.00 [2.50, 3.00]" in text  # throughput ratio: median [min, max]
+    assert "0.25 [0.25, 0.25]" in text  # TTFT ratio
+    assert json.loads(json.dumps(to_json(runs)))[0]["server"] == "ours"
+
+
+def test_server_commands_share_model_and_capacity() -> None:
+    ours = ours_command("/m.gguf", ["--foo"])
+    llama = llama_server_command("/m.gguf", "/bin/llama-server", 2)
+    assert ours[-1] == "--foo" and "/m.gguf" in ours and "/m.gguf" in llama
+    assert llama[llama.index("-c") + 1] == "16384" and llama[llama.index("--parallel") + 1] == "16"
+    server = Server("x", ours)
+    assert PORT not in server.command and str(server.port) in server.command
+    assert build_parser().parse_args(["--reps", "2"]).reps == 2
