@@ -18,7 +18,7 @@ from pypto_serving.http import bodies, protocol
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
 from pypto_serving.http.openapi import openapi_json
 from pypto_serving.http.render import Choice, Renderer, error_body
-from pypto_serving.requests import Finished, GenerateRequest, InvalidRequest, TextDelta
+from pypto_serving.requests import Finished, InvalidRequest, TextDelta
 
 log = structlog.get_logger()
 
@@ -78,10 +78,10 @@ class Handlers:
         gen = parsed.request
         renderer = Renderer(gen.request_id, body.model or self.served_name, chat, gen.sampling.logprobs)
         choices = ChoiceStreams(self.engine, choice_requests(gen, parsed.n))
-        return await self._respond(request, gen, choices, renderer, parsed.stream)
+        return await self._respond(request, choices, renderer, parsed.stream)
 
-    async def _respond(self, request: web.Request, gen: GenerateRequest, choices: ChoiceStreams,
-                       renderer: Renderer, stream: bool) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, choices: ChoiceStreams, renderer: Renderer,
+                       stream: bool) -> web.StreamResponse:
         try:
             await choices.start()  # the engine logs each request's received/finished lines
             if stream:
