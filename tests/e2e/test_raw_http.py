@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.e2e.api import assert_error
 from tests.e2e.server import ServerProcess
 
 
@@ -50,14 +51,6 @@ def test_sse_framing_chat(http: httpx.Client):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert sum("role" in c["choices"][0]["delta"] for c in chunks if c["choices"]) == 1
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 5
-
-
-def assert_error(r: httpx.Response, *words: str) -> None:
-    assert r.status_code == 400, r.text
-    body = r.json()
-    assert body["object"] == "error"
-    for word in words:
-        assert word in body["message"], body["message"]
 
 
 def test_malformed_json(http: httpx.Client):
