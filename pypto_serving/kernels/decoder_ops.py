@@ -74,7 +74,8 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary
 
     if not _fused_qkv(q, k, v, kv, rotary):
         return attend(q, k, v, rotary, kv, meta, scale)
-    qkv = torch.as_strided(q, (q.shape[0], q.stride(0)), (q.stride(0), 1))
+    width = (q.shape[1] + 2 * k.shape[1]) * q.shape[2]
+    qkv = torch.as_strided(q, (q.shape[0], width), (width, 1))
     rope_write_kv_cpu(qkv, q.shape[1], k.shape[1], *rotary, meta.slot_mapping, *kv)
     if meta.all_decode and meta.decode_lens is not None and q.shape[2] <= 64:
         return decode_attention_cpu(q, kv[0], kv[1], meta.decode_slots, meta.decode_lens, scale)
@@ -88,7 +89,8 @@ def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, r
     cos, sin = rotary
     return (
         q.dtype == cos.dtype == torch.float32 and kv[0].dtype in (torch.float32, torch.float16)
-        and d % 16 == 0 and q.stride() == (width, d, 1) and k.stride(0) == width and v.stride(0) == width
+        and d % 16 == 0 and q.stride()[1:] == (d, 1)
+        and (t == 1 or q.stride(0) == k.stride(0) == v.stride(0) == width)  # one row: any stride
         and k.data_ptr() == q.data_ptr() + heads * d * 4
         and v.data_ptr() == k.data_ptr() + k.shape[1] * d * 4
         and cos.stride(-1) == 1 and sin.stride(0) == cos.stride(0)

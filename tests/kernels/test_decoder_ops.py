@@ -59,6 +59,7 @@ def attend_with(ops, qkv: torch.Tensor, rotary, meta, kv) -> torch.Tensor:
 @pytest.mark.parametrize("chunks", [
     [(0, 9), (0, 3)],  # prefills: fused rotary + KV write, portable attention
     [(8, 1), (3, 1), (13, 1)],  # all decode: fused attention over padded contexts
+    [(10, 1)],  # one row: its views' row stride is arbitrary
     [(8, 1), (0, 6), (5, 1)],  # mixed
 ])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
