@@ -14,6 +14,13 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf: str):
+    from pypto_serving.tokenizer.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf: str):
     """transformers' own load of the packaged SmolLM2 GGUF (fp32): the oracle. Slow, so shared."""
     import torch

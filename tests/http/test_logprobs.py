@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pypto_serving import packaged_models
 from pypto_serving.logprobs import token_text
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    try:
-        return Tokenizer.from_gguf(packaged_models.smollm2_path())
-    except packaged_models.PackagedModelMissing as exc:
-        pytest.skip(str(exc))
+def smollm2(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 @pytest.mark.parametrize("text", [" Paris café", "ok 🦩 你好", "<|im_end|>"])

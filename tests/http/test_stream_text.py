@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pypto_serving import packaged_models
 from pypto_serving.actors.request import RequestActor, RequestLimits, Tokens
 from pypto_serving.actors.scheduler import Abort
 from pypto_serving.requests import Finished, GenerateRequest, TextDelta
@@ -26,11 +25,8 @@ PIECES = ["a", " b", "ab", " ", "\n", "Paris", " café", "🦩", "你好", "e\u0
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    try:
-        return Tokenizer.from_gguf(packaged_models.smollm2_path())
-    except packaged_models.PackagedModelMissing as exc:
-        pytest.skip(str(exc))
+def smollm2(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 @st.composite

@@ -133,14 +133,10 @@ def test_qwen_coder_arch(qwen_arch: ModelArch) -> None:
 # --- the packaged models: weights against transformers -----------------------------------
 
 
-def test_smollm2_weights_equal_transformers(smollm2_arch: ModelArch) -> None:
+def test_smollm2_weights_equal_transformers(smollm2_arch: ModelArch, hf_smollm2) -> None:
     """Every tensor, Q/K un-permuted: transformers dequantizes with its own torch code."""
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    expected = model.state_dict()
-    ours = dict(load_gguf_tensors(path, smollm2_arch))
+    expected = hf_smollm2.state_dict()
+    ours = dict(load_gguf_tensors(smollm2_path(), smollm2_arch))
     # Tied: transformers lists lm_head as an alias of the embedding; we leave tying to the model.
     assert set(ours) == set(expected) - {"lm_head.weight"}
     for name, tensor in ours.items():

@@ -42,12 +42,9 @@ def runner_greedy(path: str, n: int, quantization: str = "none") -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def transformers_tokens(smollm2: str) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(smollm2, gguf_file=smollm2, dtype=torch.float32)
+def transformers_tokens(hf_smollm2) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = hf_smollm2.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, len(PROMPT) :].tolist()
 
 
