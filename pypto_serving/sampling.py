@@ -10,6 +10,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
     temperature 0 means greedy; top_k 0 means no top-k cut; logprobs None means none
     are returned, 0 means the chosen token's logprob only, k > 0 adds the top k.
+    grammar is an llguidance grammar string (see pypto_serving/grammar.py); the sampler only
+    picks tokens it accepts, and EOS once it is complete. None means unconstrained.
     """
 
     temperature: float = 0.0
@@ -23,6 +25,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

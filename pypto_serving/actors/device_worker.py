@@ -44,6 +44,8 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     log_format: str = "console"
     log_level: str = "info"
     quantization: str = "none"  # weight-only: "none" | "int8" | "int4" | "auto" (models/quant.py)
+    tokenizer_json: str = ""  # HF tokenizers JSON for grammar masks; "" = no constrained decoding
+    eos_token_id: int | None = None  # the EOS llguidance allows once a grammar is complete
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):

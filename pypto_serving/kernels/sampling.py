@@ -1,9 +1,10 @@
 """Batched sampler: one row of logits per sampled sequence.
 
-Order (as vLLM v1): min_tokens EOS mask -> penalties -> greedy argmax, or temperature ->
-min-p -> top-k/top-p -> exponential race. Each sampled row draws its noise from its own
-`torch.Generator`, so a seeded row gives the same tokens alone or in any batch.
-Logprobs are those of the model's raw logits (log_softmax before any processing).
+Order (as vLLM v1): grammar mask -> min_tokens EOS mask -> penalties -> greedy argmax, or
+temperature -> min-p -> top-k/top-p -> exponential race. Each sampled row draws its noise from
+its own `torch.Generator`, so a seeded row gives the same tokens alone or in any batch.
+Logprobs are those of the model's raw logits (log_softmax before any processing, the grammar
+mask included): a constrained token's logprob is what the model gave it, unconstrained.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class SamplingTensors:
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [B, V] float32: generated-token counts
     banned: torch.Tensor | None = None  # [B, V] bool: EOS before min_tokens
+    grammar_rows: torch.Tensor | None = None  # [R] int64: the rows under a grammar
+    grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: bit set = allowed
     logprobs: bool = False  # compute the chosen tokens' logprobs
     top_logprobs: int = 0  # the largest top-k any row asked for
 
@@ -45,6 +48,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits [B, V] -> one token per row (plus logprobs when asked)."""
     logits = logits.float()
     raw = logits
+    if t.grammar_rows is not None:
+        logits = apply_token_bitmask(logits, t.grammar_rows, t.grammar_bitmask)
     if t.banned is not None:
         logits = logits.masked_fill(t.banned, float("-inf"))
     if t.repetition is not None:
@@ -54,6 +59,18 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         sampled = random_sample(process_for_sampling(logits, t), t.generators)
         tokens = torch.where(t.temperature > 0, sampled, tokens)
     return _with_logprobs(raw, tokens, t)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Tokens whose bit is clear get -inf in `rows`; other rows are left as they are.
+
+    bitmask [R, ceil(V / 32)] int32: token j's bit is bit j % 32 of word j // 32 (llguidance's
+    layout). Plain torch ops: llguidance's own torch.compile'd kernel costs seconds on first use.
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    allowed = bits.flatten(1)[:, : logits.shape[1]].bool()
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

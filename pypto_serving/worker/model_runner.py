@@ -1,6 +1,7 @@
 """ModelRunner: weights, KV cache and per-sequence state of one device; executes StepPlans.
 
-execute(plan) = drop finished -> update sequence states -> prepare -> forward -> sample.
+execute(plan) = drop finished -> update sequence states -> prepare -> forward -> sample
+(-> constrained sequences' matchers consume their tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pypto_serving.loader.hf import count_safetensors, load_safetensors
 from pypto_serving.models import LayerFactory, build_model, load_weights
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.worker.batch import StepBatch, prepare
+from pypto_serving.worker.grammar import Grammars, advance
 from pypto_serving.worker.kv_cache import (
     KVCache,
     allocate_kv_cache,
@@ -79,6 +81,7 @@ class ModelRunner:
         load_weights(self.model, cfg.arch, weight_source(cfg))
         self.weight_bytes = module_bytes(self.model)
         self.seqs: dict[int, SeqState] = {}
+        self.grammars = Grammars(cfg.tokenizer_json, cfg.arch.vocab_size, cfg.eos_token_id)
         block_bytes = bytes_per_block(cfg.arch, cfg.block_size, self.kv_dtype)
         self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.max_num_blocks)
         self.kv_cache_bytes = self.num_blocks * block_bytes
@@ -92,7 +95,7 @@ class ModelRunner:
         """The step's result and the logits it sampled from ([sampled seqs, vocab], float32)."""
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
-        states = [apply_scheduled(self.seqs, s, self.device) for s in plan.seqs]
+        states = [apply_scheduled(self.seqs, s, self.device, self.grammars) for s in plan.seqs]
         if not plan.seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.cfg.arch.vocab_size)
         batch = prepare(plan.seqs, states, self.cfg.block_size, self.device)
@@ -100,8 +103,10 @@ class ModelRunner:
         sampled = [st for s, st in zip(plan.seqs, states, strict=True) if s.sample]
         if not sampled:
             return StepResult(plan.step_id, [], []), logits
-        out = sample(logits, sampling_tensors(sampled, self.cfg.arch.vocab_size, self.device))
-        return step_result(plan.step_id, batch.sample_seq_ids, out, sampled), logits
+        out = sample(logits, sampling_tensors(sampled, self.cfg.arch.vocab_size, self.device, self.grammars))
+        result = step_result(plan.step_id, batch.sample_seq_ids, out, sampled)
+        advance([st.matcher for st in sampled], result.token_ids)
+        return result, logits
 
     def _forward(self, batch: StepBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)

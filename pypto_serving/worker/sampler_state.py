@@ -8,11 +8,17 @@ from __future__ import annotations
 import torch
 
 from pypto_serving.kernels.sampling import SamplingTensors
+from pypto_serving.worker.grammar import Grammars
 from pypto_serving.worker.seq_state import SeqState
 
 
-def sampling_tensors(states: list[SeqState], vocab_size: int, device: torch.device) -> SamplingTensors:
-    """Rows aligned with `states` (the sequences sampled this step, in plan order)."""
+def sampling_tensors(
+    states: list[SeqState], vocab_size: int, device: torch.device, grammars: Grammars | None = None
+) -> SamplingTensors:
+    """Rows aligned with `states` (the sequences sampled this step, in plan order).
+
+    `grammars` fills the token masks of rows with a matcher (needed when some row has one).
+    """
     params = [s.sampling for s in states]
     asked = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingTensors(
@@ -23,6 +29,7 @@ def sampling_tensors(states: list[SeqState], vocab_size: int, device: torch.devi
         top_p=_unless_all([p.top_p for p in params], 1.0, torch.float32, device),
         min_p=_unless_all([p.min_p for p in params], 0.0, torch.float32, device),
         **_penalties(states, vocab_size, device),
+        **_grammar_masks(states, grammars, device),
         banned=_banned_eos(states, vocab_size, device),
         logprobs=bool(asked),
         top_logprobs=max(asked, default=0),
@@ -56,11 +63,24 @@ def _has_penalty(state: SeqState) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def _grammar_masks(
+    states: list[SeqState], grammars: Grammars | None, device: torch.device
+) -> dict[str, torch.Tensor]:
+    rows = [i for i, s in enumerate(states) if s.matcher is not None]
+    if not rows:
+        return {}
+    bitmask = grammars.bitmask([states[i].matcher for i in rows])
+    return dict(grammar_rows=_ints(rows, device), grammar_bitmask=bitmask.to(device))
+
+
 def _banned_eos(states: list[SeqState], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """EOS ids of rows that have not yet produced min_tokens tokens."""
+    """EOS ids of rows that have not yet produced min_tokens tokens.
+
+    Not for rows under a grammar: it decides when they end (and may allow only EOS).
+    """
     rows = [
         [eos for eos in s.sampling.eos_token_ids if eos < vocab_size]
-        if s.num_output_tokens < s.sampling.min_tokens
+        if s.num_output_tokens < s.sampling.min_tokens and s.matcher is None
         else []
         for s in states
     ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from pypto_serving.actors.device_worker import ScheduledSeq
 from pypto_serving.sampling import SamplingParams
+from pypto_serving.worker.grammar import Grammars
 
 
 @dataclass(slots=True)
@@ -17,6 +19,7 @@ class SeqState:
     num_prompt_tokens: int
     sampling: SamplingParams
     generator: torch.Generator | None  # None for greedy sequences
+    matcher: llguidance.LLMatcher | None = None  # None without a grammar; has consumed every output
 
     @property
     def num_output_tokens(self) -> int:
@@ -50,10 +53,15 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def apply_scheduled(states: dict[int, SeqState], s: ScheduledSeq, device: torch.device) -> SeqState:
-    """Update (or, with `reset`, start) a sequence's state from its share of a step."""
+def apply_scheduled(
+    states: dict[int, SeqState], s: ScheduledSeq, device: torch.device, grammars: Grammars | None = None
+) -> SeqState:
+    """Update (or, with `reset`, start) a sequence's state from its share of a step.
+
+    A sequence with a grammar needs `grammars` (to build its matcher).
+    """
     if s.reset:
-        states[s.seq_id] = _restart(states.get(s.seq_id), s, device)
+        states[s.seq_id] = _restart(states.get(s.seq_id), s, device, grammars)
     else:
         states[s.seq_id].block_table.extend(s.new_block_ids)
     state = states[s.seq_id]
@@ -61,17 +69,30 @@ def apply_scheduled(states: dict[int, SeqState], s: ScheduledSeq, device: torch.
     return state
 
 
-def _restart(old: SeqState | None, s: ScheduledSeq, device: torch.device) -> SeqState:
+def _restart(
+    old: SeqState | None, s: ScheduledSeq, device: torch.device, grammars: Grammars | None
+) -> SeqState:
     if s.sampling is None:
         raise ValueError(f"seq {s.seq_id}: reset without sampling params")
     if len(s.prefix_ids) != s.start_pos:
         raise ValueError(f"seq {s.seq_id}: {len(s.prefix_ids)} prefix ids, start_pos {s.start_pos}")
-    # A preempted sequence being recomputed continues its random stream.
+    # A preempted sequence being recomputed continues its random stream, and its matcher has
+    # already consumed the outputs being recomputed.
     gen = old.generator if old is not None and old.generator is not None else None
+    matcher = old.matcher if old is not None else None
     return SeqState(
         block_table=list(s.new_block_ids),
         token_ids=list(s.prefix_ids),
         num_prompt_tokens=s.num_prompt_tokens,
         sampling=s.sampling,
         generator=gen or make_generator(s.sampling, device),
+        matcher=matcher if matcher is not None else make_matcher(s.sampling, grammars),
     )
+
+
+def make_matcher(params: SamplingParams, grammars: Grammars | None) -> llguidance.LLMatcher | None:
+    if params.grammar is None:
+        return None
+    if grammars is None:
+        raise ValueError("a request has a grammar but this worker cannot build matchers")
+    return grammars.matcher(params.grammar)
