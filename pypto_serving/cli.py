@@ -7,6 +7,7 @@ import sys
 from typing import NoReturn
 
 from pypto_serving.packaged_models import DEFAULT_MODEL
+from pypto_serving.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PROFILE_LEVELS = ("e2e", "kernel", "verbose")
@@ -93,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of accelerator memory for weights and KV cache")
     p.add_argument("--generate-config", default=None,
                    help="server sampling defaults: a JSON object or @path.json")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
+                   help="split <think> reasoning from the answer (default: from the model "
+                        "family, qwen3 for Qwen3; none: never)")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None,
+                   help="parse tool calls from replies (default: from the model family, hermes "
+                        "for Qwen2/Qwen3; none: tool requests get a 400)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prompt", action="append", default=None,

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
 import structlog
 
 from pypto_serving.actors.device_client import DeviceWorkerClient
@@ -23,6 +24,7 @@ from pypto_serving.actors.scheduler import AbortAll, SchedulerActor, WorkerDied
 from pypto_serving.actors.tokenizer import TokenizerActor
 from pypto_serving.core.block_allocator import BlockAllocator
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
+from pypto_serving.grammar import Grammars
 from pypto_serving.metrics import EngineMetrics
 from pypto_serving.observe import RequestObserver
 from pypto_serving.profiling import SpanRecorder
@@ -50,8 +52,11 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer,
-                 metrics: EngineMetrics | None = None, recorder: SpanRecorder | None = None):
+                 metrics: EngineMetrics | None = None, recorder: SpanRecorder | None = None,
+                 worker_factory: Callable[..., DeviceWorkerClient] = DeviceWorkerClient):
+        """`worker_factory(config, on_result, on_death)` makes the device worker's client."""
         self.config = config
+        self._worker_factory = worker_factory
         self.tokenizer = tokenizer
         self.metrics = metrics or EngineMetrics("model", config.limits.max_model_len)
         self.recorder = recorder or SpanRecorder("api-server")
@@ -63,10 +68,17 @@ class Engine:
         self.ready: WorkerReady | None = None
         self.allocator: BlockAllocator | None = None
         self.scheduler: SchedulerActor | None = None
+        self._tokenizer_json = tokenizer.tokenizers_json()
+        self.grammars = Grammars(self._tokenizer_json, config.worker.arch.vocab_size,
+                                 tokenizer.eos_token_id)
 
     async def start(self) -> WorkerReady:
         """Starts the device worker (loads weights), then the actors around it."""
-        self.worker = DeviceWorkerClient(self.config.worker, self._on_result, self._on_death)
+        # The worker indexes the vocabulary for constrained decoding from the same tokenizer.
+        worker_config = msgspec.structs.replace(
+            self.config.worker, tokenizer_json=self._tokenizer_json or "",
+            eos_token_id=self.tokenizer.eos_token_id)
+        self.worker = self._worker_factory(worker_config, self._on_result, self._on_death)
         self.ready = await self.worker.start()
         self.allocator = BlockAllocator(self.ready.num_blocks, self.config.cache.block_size,
                                         self.config.cache.enable_prefix_caching)
@@ -106,7 +118,7 @@ class Engine:
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         seq_id = next(self._seq_ids)
         actor = RequestActor(request, seq_id, self.tokenizer, self.tokenizer_actor,
-                             self.scheduler, self.config.limits)
+                             self.scheduler, self.config.limits, self.grammars)
         observer = RequestObserver(request.request_id, self.metrics, self.recorder)
         return self._observed(seq_id, actor.events(), observer)
 

@@ -9,6 +9,7 @@ works on plain torch CPU tensors, and near-zero grammar compile time for JSON sc
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -26,10 +27,11 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
         return _json_grammar({"type": "object"})
     if kind == "json_schema":
         spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        schema = spec.get("schema") if isinstance(spec, dict) else False
+        if schema is not None and not isinstance(schema, dict):
             raise InvalidRequest("'response_format.json_schema' must be an object with a "
                                  "'schema' object", "response_format")
-        return _json_grammar(spec.get("schema") or {"type": "object"})
+        return _json_grammar(schema or {"type": "object"})
     raise InvalidRequest(f"'response_format.type' {kind!r} is not one of text, json_object, "
                          "json_schema", "response_format")
 
@@ -50,8 +52,12 @@ def tool_choice_grammar(tools: list[dict[str, Any]], forced: str | None) -> str:
 
 
 def _json_grammar(schema: dict[str, Any]) -> str:
+    """One-line JSON (`{"a": 1, "b": 2}`) unless the schema's x-guidance says otherwise: with
+    free whitespace a small model can pad with spaces and newlines until max_tokens."""
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+               **schema.get("x-guidance", {})}
     try:
-        return llguidance.grammar_from("json_schema", json.dumps(schema))
+        return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": options}))
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"the JSON schema cannot be used: {exc}", "response_format") from None
 
@@ -67,3 +73,23 @@ class GrammarChecker:
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise InvalidRequest(f"the '{param}' grammar is invalid: {error}", param)
+
+
+class Grammars:
+    """Grammar validation in the main process. The vocabulary index takes a second or two to
+    build for a large vocabulary, so it is built once, off the event loop, on first use."""
+
+    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_token_id: int | None):
+        self._json, self._vocab_size, self._eos = tokenizer_json, vocab_size, eos_token_id
+        self._checker: asyncio.Future[GrammarChecker] | None = None
+
+    async def check(self, grammar: str, param: str) -> None:
+        if not self._json:
+            raise InvalidRequest(f"'{param}' needs constrained decoding, which needs the model's "
+                                 "tokenizer in the Hugging Face tokenizers format (tokenizer.json "
+                                 "or GGUF); this model has only a SentencePiece model", param)
+        if self._checker is None:
+            self._checker = asyncio.ensure_future(asyncio.to_thread(
+                GrammarChecker, self._json, self._vocab_size, self._eos))
+        checker = await asyncio.shield(self._checker)
+        checker.check(grammar, param)

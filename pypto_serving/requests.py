@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pypto_serving.parsers.reply import ReplyFormat
+from pypto_serving.parsers.tool_calls import ToolCall, ToolCallDelta
 from pypto_serving.sampling import SamplingParams
 
 
@@ -39,6 +41,8 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    reply: ReplyFormat = ReplyFormat()  # reasoning and tool-call parsing of the output
+    grammar_param: str | None = None  # the field that asked for `sampling.grammar`
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +79,15 @@ class TextDelta:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
     reasoning: str = ""  # set by a reasoning parser, for models that have one
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # set by a tool-call parser
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    finish_reason: str  # stop, eos, length, aborted, error
+    finish_reason: str  # stop, eos, length, aborted, error, tool_calls
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     error: str | None = None
+    error_type: str = "engine_error"  # or invalid_model_output: unparsable tool calls
+    tool_calls: tuple[ToolCall, ...] = ()  # the complete calls, with finish_reason tool_calls

@@ -15,7 +15,9 @@ from pypto_serving.cli import FlagError
 from pypto_serving.core.scheduler import SchedulerConfig
 from pypto_serving.engine import CacheConfig, EngineConfig
 from pypto_serving.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
+from pypto_serving.http.protocol import ModelParsers
 from pypto_serving.model_source import ModelSource
+from pypto_serving.parsers import reasoning_parser_for, tool_parser_for
 from pypto_serving.profiling import DEFAULT_LEVELS, ProfileConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -35,6 +37,7 @@ class ServerSettings:
     port: int
     profile: ProfileConfig | None = None
     shutdown_timeout: float = 30.0
+    parsers: ModelParsers = ModelParsers()
 
 
 def _torch_has_cuda() -> bool:
@@ -152,4 +155,9 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
                           RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len))
     return ServerSettings(engine, defaults, args.served_model_name or source.default_name, backend,
                           args.platform, devices, args.host, args.port, _profile(args),
-                          args.shutdown_timeout)
+                          args.shutdown_timeout, _parsers(args, source.arch.family))
+
+
+def _parsers(args: argparse.Namespace, family: str) -> ModelParsers:
+    return ModelParsers(reasoning_parser_for(family, args.reasoning_parser),
+                        tool_parser_for(family, args.tool_call_parser))

@@ -4,14 +4,17 @@ Receives `Encoded`/`Rejected` (from the tokenizer actor) and `Tokens` (from the 
 Sends `Encode` to the tokenizer, `Submit` and `Abort` to the scheduler, and yields
 `Started`, `TextDelta` (with per-token logprobs when asked), `Finished` events to http/
 (it is the edge: http/ iterates it).
-State owned: the incremental detokenizer and the stop-string matcher of its sequence.
-Invariants: no partial stop string and no broken UTF-8 character ever leaves; no token id
+State owned: the incremental detokenizer, the stop-string matcher and the reply parser
+(reasoning, tool calls) of its sequence.
+Invariants: no partial stop string, tag or broken UTF-8 character ever leaves; no token id
 outside the vocabulary reaches the device; a request that goes away after `Submit` and
-before finishing sends exactly one `Abort`, which frees its KV blocks.
+before finishing sends exactly one `Abort`, which frees its KV blocks; so does a reply whose
+tool-call output turned out malformed (it ends at once with `invalid_model_output`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -22,7 +25,9 @@ from pypto_serving.actors import scheduler as sched_msgs
 from pypto_serving.actors import tokenizer as tok_msgs
 from pypto_serving.actors.base import Actor, unknown
 from pypto_serving.actors.device_worker import TopLogprob
+from pypto_serving.grammar import Grammars
 from pypto_serving.logprobs import token_logprobs
+from pypto_serving.parsers.reply import ReplyDelta, ReplyEnd, ReplyParser
 from pypto_serving.requests import (
     Finished,
     GenerateRequest,
@@ -60,7 +65,8 @@ class RequestLimits:
 
 class RequestActor(Actor):
     def __init__(self, request: GenerateRequest, seq_id: int, tokenizer: Tokenizer,
-                 tokenizer_actor: Actor, scheduler: Actor, limits: RequestLimits):
+                 tokenizer_actor: Actor, scheduler: Actor, limits: RequestLimits,
+                 grammars: Grammars | None = None):
         super().__init__()
         self.request = request
         self.seq_id = seq_id
@@ -68,39 +74,52 @@ class RequestActor(Actor):
         self.tokenizer_actor = tokenizer_actor
         self.scheduler = scheduler
         self.limits = limits
+        self.grammars = grammars
         self.log = log.bind(request_id=request.request_id)
         self._done = False
 
     async def events(self) -> AsyncIterator[Started | TextDelta | Finished]:
         """Raises InvalidRequest before the first event when the request cannot run."""
-        prompt_ids = await self._encode()
+        await self._check_grammar()
+        prompt_text, prompt_ids = await self._encode()
         max_tokens = self._max_tokens(prompt_ids)
         self._check_token_ids(self.request.stop_token_ids, "stop_token_ids")
         self._submit(prompt_ids, max_tokens)
         try:  # from here on the sequence exists: closing the stream at any point aborts it
             yield Started(len(prompt_ids), max_tokens)
-            async for event in self._generate(prompt_ids):
+            async for event in self._generate(prompt_ids, ReplyParser(self.request.reply, prompt_text)):
                 yield event
         finally:
             if not self._done:  # the client went away, or the stream was closed early
                 self.scheduler.tell(sched_msgs.Abort(self.seq_id, "aborted"))
                 self.log.info("request aborted")
 
-    async def _encode(self) -> tuple[int, ...]:
+    async def _check_grammar(self) -> None:
+        grammar = self.request.sampling.grammar
+        if grammar is None:
+            return
+        param = self.request.grammar_param or "response_format"
+        if self.grammars is None:
+            raise InvalidRequest(f"'{param}' needs constrained decoding, which this engine "
+                                 "does not offer", param)
+        await self.grammars.check(grammar, param)
+
+    async def _encode(self) -> tuple[str, tuple[int, ...]]:
+        """The prompt as text (empty for token ids) and as token ids."""
         prompt = self.request.prompt
         if isinstance(prompt, tuple):
-            ids = prompt
+            text, ids = "", prompt
         else:
             self.tokenizer_actor.tell(tok_msgs.Encode(prompt, self))
             match await self._inbox.get():
-                case tok_msgs.Encoded(token_ids):
+                case tok_msgs.Encoded(token_ids, text):
                     ids = token_ids
                 case tok_msgs.Rejected(message):
                     raise InvalidRequest(message, "messages")
                 case msg:
                     unknown(self, msg)
         self._check_token_ids(ids, "prompt")
-        return self._non_empty(ids)
+        return text, self._non_empty(ids)
 
     def _check_token_ids(self, ids: tuple[int, ...], field: str) -> None:
         # An id outside the vocabulary would fail inside the device worker, for every request.
@@ -134,7 +153,8 @@ class RequestActor(Actor):
 
     def _submit(self, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
         stops = set(self.request.stop_token_ids)
-        if not self.request.ignore_eos:
+        # A complete grammar allows only EOS: it must end the reply even with ignore_eos.
+        if not self.request.ignore_eos or self.request.sampling.grammar is not None:
             stops |= self.tokenizer.eos_token_ids
         self.scheduler.tell(sched_msgs.Submit(
             self.seq_id, prompt_ids, max_tokens, self._sampling(max_tokens), frozenset(stops), self))
@@ -149,7 +169,8 @@ class RequestActor(Actor):
         return msgspec.structs.replace(sampling, min_tokens=min(sampling.min_tokens, max_tokens),
                                        eos_token_ids=tuple(sorted(banned)))
 
-    async def _generate(self, prompt_ids: tuple[int, ...]) -> AsyncIterator[TextDelta | Finished]:
+    async def _generate(self, prompt_ids: tuple[int, ...],
+                        parser: ReplyParser) -> AsyncIterator[TextDelta | Finished]:
         detok = IncrementalDetokenizer(self.tokenizer, list(prompt_ids))
         stop = StopMatcher(list(self.request.stop))
         count = 0
@@ -162,10 +183,17 @@ class RequestActor(Actor):
             if msg.finish_reason is not None and not stopped:
                 more, stopped = self._flush(detok, stop)
                 text += more
-            if text or msg.token_ids:
-                yield TextDelta(text, msg.token_ids, self._logprobs(msg))
-            if stopped or msg.finish_reason is not None:
-                yield self._finish(msg, len(prompt_ids), count, stopped)
+            delta = parser.push(text)
+            ending = stopped or msg.finish_reason is not None or delta.error is not None
+            done = self._finish(msg, len(prompt_ids), count, stopped) if ending else None
+            if done is not None and delta.error is None:
+                tail, end = parser.finish(done.finish_reason)
+                delta = _joined(delta, tail)
+                done = self._parsed(done, end, delta.error)
+            if msg.token_ids or delta.content or delta.reasoning or delta.tool_calls:
+                yield _text_delta(delta, msg.token_ids, self._logprobs(msg))
+            if done is not None:
+                yield done if delta.error is None else self._malformed(done, delta.error)
                 return
 
     @staticmethod
@@ -183,7 +211,30 @@ class RequestActor(Actor):
 
     def _finish(self, msg: Tokens, prompt_tokens: int, count: int, stopped: bool) -> Finished:
         self._done = True
-        reason = "stop" if stopped else msg.finish_reason
-        if stopped and msg.finish_reason is None:
-            self.scheduler.tell(sched_msgs.Abort(self.seq_id, "stop"))
+        reason = "stop" if stopped else msg.finish_reason or "error"
+        if msg.finish_reason is None:  # a stop string, or malformed tool-call output
+            self.scheduler.tell(sched_msgs.Abort(self.seq_id, reason))
         return Finished(reason, prompt_tokens, count, msg.num_cached_tokens, msg.error)
+
+    @staticmethod
+    def _parsed(done: Finished, end: ReplyEnd, error: str | None) -> Finished:
+        """The finish as parsed: complete calls are reported even when the reply went on
+        until the length limit (and stays `length`); a call cut off is never among them."""
+        if error is not None:
+            return done
+        return dataclasses.replace(done, finish_reason=end.finish_reason, tool_calls=end.tool_calls)
+
+    def _malformed(self, done: Finished, error: str) -> Finished:
+        self.log.info("invalid model output", error=error)
+        return dataclasses.replace(done, finish_reason="error", error=error,
+                                   error_type="invalid_model_output")
+
+
+def _joined(a: ReplyDelta, b: ReplyDelta) -> ReplyDelta:
+    return ReplyDelta(a.reasoning + b.reasoning, a.content + b.content,
+                      a.tool_calls + b.tool_calls, b.error or a.error)
+
+
+def _text_delta(delta: ReplyDelta, token_ids: tuple[int, ...],
+                logprobs: tuple[TokenLogprob, ...]) -> TextDelta:
+    return TextDelta(delta.content, token_ids, logprobs, delta.reasoning, delta.tool_calls)

@@ -26,6 +26,7 @@ class Encode:
 @dataclass(frozen=True, slots=True)
 class Encoded:
     token_ids: tuple[int, ...]
+    text: str  # the prompt as the model reads it (a chat prompt after its template)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +51,17 @@ class TokenizerActor(Actor):
     async def _encode(self, prompt: str | ChatInput, reply_to: Actor) -> None:
         loop = asyncio.get_running_loop()
         try:
-            ids = await loop.run_in_executor(self._pool, self.encode_now, prompt)
+            text, ids = await loop.run_in_executor(self._pool, self.encode_now, prompt)
         except (ChatTemplateError, ValueError, TypeError) as exc:
             reply_to.tell(Rejected(str(exc)))
         else:
-            reply_to.tell(Encoded(tuple(ids)))
+            reply_to.tell(Encoded(tuple(ids), text))
 
-    def encode_now(self, prompt: str | ChatInput) -> list[int]:
+    def encode_now(self, prompt: str | ChatInput) -> tuple[str, list[int]]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         text = self.tokenizer.apply_chat_template(
             list(prompt.messages), add_generation_prompt=prompt.add_generation_prompt,
             tools=list(prompt.tools) if prompt.tools else None, **prompt.template_kwargs)
         # the template already wrote any BOS it wants
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)

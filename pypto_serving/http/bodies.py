@@ -47,7 +47,6 @@ class Unimplemented(msgspec.Struct, kw_only=True):
     echo: Any = None
     best_of: Any = None
     logit_bias: Any = None
-    response_format: Any = None
     use_beam_search: Any = None
     include_stop_str_in_output: Any = None
     prompt_logprobs: Any = None
@@ -60,6 +59,20 @@ class Unimplemented(msgspec.Struct, kw_only=True):
     structured_outputs: Any = None
     truncate_prompt_tokens: Any = None
     skip_special_tokens: Any = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """json_object and json_schema are enforced token by token (constrained decoding)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class GenerateFields(Unimplemented, kw_only=True):
@@ -81,6 +94,7 @@ class GenerateFields(Unimplemented, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     stream: bool | None | UnsetType = UNSET
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
 
@@ -115,16 +129,30 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_call_id: str | None = None
 
 
-class FunctionDefinition(msgspec.Struct, kw_only=True):
-    name: str
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
 class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
     function: FunctionDefinition
-    type: Literal["function"] = "function"
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """tool_choice naming one declared function: the reply is a call to it."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatBody(GenerateFields, kw_only=True):
@@ -140,7 +168,7 @@ class ChatBody(GenerateFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # known, not implemented
     functions: Any = None
@@ -159,7 +187,6 @@ UNIMPLEMENTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "use_beam_search": (None, False),
     "include_stop_str_in_output": (None, False),
     "prompt_logprobs": (None,),

@@ -8,8 +8,11 @@ not implement. Every failure is an `InvalidRequest` naming the field and what is
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +20,7 @@ import msgspec
 from msgspec import UNSET
 
 from pypto_serving.generate_config import GenerateDefaults
+from pypto_serving.grammar import response_format_grammar, tool_choice_grammar
 from pypto_serving.http.bodies import (
     REASONING_EFFORTS,
     ROLES,
@@ -25,7 +29,12 @@ from pypto_serving.http.bodies import (
     CompletionBody,
     GenerateFields,
     Message,
+    NamedToolChoice,
 )
+from pypto_serving.http.bodies import ToolCall as MessageToolCall
+from pypto_serving.parsers.reasoning import ReasoningFormat
+from pypto_serving.parsers.reply import ReplyFormat
+from pypto_serving.parsers.tool_calls import ToolParser
 from pypto_serving.requests import ChatInput, GenerateRequest, InvalidRequest
 from pypto_serving.sampling import SamplingParams
 
@@ -35,7 +44,17 @@ GREEDY_BELOW = 1e-5
 # Any top_k at least this large keeps the whole vocabulary; the cap keeps it an int64.
 TOP_K_CAP = 1 << 30
 _ENUMS = {"role": ROLES, "reasoning_effort": REASONING_EFFORTS,
-          "tool_choice": ("none", "auto", "required", "an object"), "type": ("function",)}
+          "tool_choice": ("none", "auto", "required", "an object"), "type": ("function",),
+          "response_format.type": ("text", "json_object", "json_schema")}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelParsers:
+    """The served model's output parsers (from its family or --reasoning-parser and
+    --tool-call-parser); None: the model has none."""
+
+    reasoning: ReasoningFormat | None = None
+    tool_parser: Callable[..., ToolParser] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +89,8 @@ def _field_of(message: str) -> str | None:
 def _explain(message: str) -> str:
     # msgspec names the field of a bad enum value but not the values it allows.
     names = _path(message)
-    allowed = _ENUMS.get(names[-1]) if names and message.startswith("Invalid enum value") else None
+    enum = names and message.startswith("Invalid enum value")
+    allowed = _ENUMS.get(".".join(names[-2:]), _ENUMS.get(names[-1])) if enum else None
     return message if allowed is None else f"{message}; allowed: {', '.join(allowed)}"
 
 
@@ -142,17 +162,27 @@ def _check_min_tokens(body: GenerateFields, max_tokens: int | None) -> None:
 
 
 def _generate_request(prefix: str, prompt: Any, body: GenerateFields, defaults: GenerateDefaults,
-                      max_tokens: int | None, logprobs: int | None, ignore_eos: bool) -> GenerateRequest:
+                      max_tokens: int | None, logprobs: int | None, ignore_eos: bool,
+                      forced: tuple[str, str] | None = None) -> GenerateRequest:
+    """`forced`: (grammar, field) when a field other than response_format constrains the output."""
     _check_min_tokens(body, max_tokens)
+    grammar, param = forced or (_response_format(body), "response_format")
     return GenerateRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt=prompt,
         max_tokens=max_tokens,
-        sampling=_sampling(body, defaults, logprobs),
+        sampling=msgspec.structs.replace(_sampling(body, defaults, logprobs), grammar=grammar),
         stop=_stops(body, defaults),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=ignore_eos,
+        grammar_param=param if grammar is not None else None,
     )
+
+
+def _response_format(body: GenerateFields) -> str | None:
+    if body.response_format is None:
+        return None
+    return response_format_grammar(msgspec.to_builtins(body.response_format))
 
 
 def parse_completion(body: CompletionBody, defaults: GenerateDefaults) -> Parsed:
@@ -168,17 +198,24 @@ def parse_completion(body: CompletionBody, defaults: GenerateDefaults) -> Parsed
     return Parsed(request, n, stream)
 
 
-def parse_chat(body: ChatBody, defaults: GenerateDefaults) -> Parsed:
+def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers | None = None) -> Parsed:
+    parsers = parsers or ModelParsers()
     n, stream = _check_options(body, defaults)
-    _check_tools(body)
+    tools = _tools(body, parsers)
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = _or(body.top_logprobs, 0) if body.logprobs else None
-    chat = ChatInput(tuple(_message(i, m) for i, m in enumerate(body.messages)), None,
-                     _template_kwargs(body), body.add_generation_prompt)
+    chat = ChatInput(_messages(body.messages), tuple(tools) or None, _template_kwargs(body),
+                     body.add_generation_prompt)
     request = _generate_request("chatcmpl", chat, body, defaults, _chat_max_tokens(body, defaults),
-                                logprobs, _or(body.ignore_eos, defaults.ignore_eos))
-    return Parsed(request, n, stream)
+                                logprobs, _or(body.ignore_eos, defaults.ignore_eos),
+                                _forced_call(body, tools))
+    reply = ReplyFormat(
+        reasoning=parsers.reasoning, include_reasoning=body.include_reasoning,
+        tool_parser=parsers.tool_parser if tools else None,
+        tool_names=frozenset(t["function"]["name"] for t in tools),
+        parallel_tool_calls=_or(body.parallel_tool_calls, True))
+    return Parsed(dataclasses.replace(request, reply=reply), n, stream)
 
 
 def _chat_max_tokens(body: ChatBody, defaults: GenerateDefaults) -> int | None:
@@ -192,13 +229,38 @@ def _max_tokens(body: GenerateFields, defaults: GenerateDefaults) -> int | None:
     return _or(_pick(body.max_tokens, None), defaults.max_new_tokens)
 
 
-def _check_tools(body: ChatBody) -> None:
-    if body.tools:
+def _tools(body: ChatBody, parsers: ModelParsers) -> list[dict[str, Any]]:
+    """The declared tools the model sees and may call: none with tool_choice "none"."""
+    tools = body.tools or []
+    names = [t.function.name for t in tools]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InvalidRequest(f"'tools' declares {duplicates[0]!r} more than once: tool names "
+                             "must be unique", "tools")
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise InvalidRequest(f"'tool_choice' names {choice.function.name!r}, which is not in "
+                             "'tools'", "tool_choice")
+    if choice == "required" and not tools:
+        raise InvalidRequest("'tool_choice' is 'required' but 'tools' declares no tool", "tool_choice")
+    if not tools or choice == "none":
+        return []
+    if parsers.tool_parser is None:
         raise InvalidRequest("'tools' is not supported for this model: it has no tool-call "
-                             "parser", "tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequest("'tool_choice' can only be 'none' or 'auto' for this model: it has "
-                             "no tool-call parser", "tool_choice")
+                             "parser (see --tool-call-parser)", "tools")
+    return [msgspec.to_builtins(t) for t in tools]
+
+
+def _forced_call(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """tool_choice "required" or a named function: the reply must be a call (a grammar)."""
+    choice = body.tool_choice
+    if not tools or choice in (None, "auto"):
+        return None
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidRequest("'response_format' cannot constrain a reply that 'tool_choice' "
+                             "forces to be a tool call: drop one of them", "response_format")
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    return tool_choice_grammar(tools, name), "tool_choice"
 
 
 def _template_kwargs(body: ChatBody) -> dict[str, Any]:
@@ -214,10 +276,39 @@ def _template_kwargs(body: ChatBody) -> dict[str, Any]:
     return kwargs
 
 
-def _message(i: int, m: Message) -> dict:
-    if isinstance(m.content, list):
-        raise InvalidRequest(f"messages[{i}].content is a list of parts: multimodal message "
-                             "parts are not supported; send the text as a string", "messages")
-    out = msgspec.to_builtins(m)
-    out.setdefault("content", None if m.tool_calls else "")
+def _messages(messages: list[Message]) -> tuple[dict, ...]:
+    """The history as the chat template reads it; tool results must answer earlier calls."""
+    out, call_ids = [], set()
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            raise InvalidRequest(f"messages[{i}].content is a list of parts: multimodal message "
+                                 "parts are not supported; send the text as a string", "messages")
+        if m.role == "tool" and m.tool_call_id not in call_ids:
+            raise InvalidRequest(f"messages[{i}] is a tool result whose tool_call_id "
+                                 f"{m.tool_call_id!r} matches no earlier assistant tool call",
+                                 "messages")
+        message = msgspec.to_builtins(m)
+        message.setdefault("content", None if m.tool_calls else "")
+        if m.tool_calls:
+            message["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+            call_ids.update(c.id for c in m.tool_calls if c.id is not None)
+        out.append(message)
+    return tuple(out)
+
+
+def _history_call(i: int, j: int, call: MessageToolCall) -> dict[str, Any]:
+    """A call as templates expect it: arguments as an object (Qwen's writes them with tojson)."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON "
+                             "object (or a string holding one)", "messages")
+    out: dict[str, Any] = {"type": "function",
+                           "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        out["id"] = call.id
     return out

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from pypto_serving.http import responses as r
+from pypto_serving.parsers.tool_calls import ToolCall, ToolCallDelta
 from pypto_serving.requests import Candidate, Finished, TextDelta, TokenLogprob
 
 
@@ -89,7 +90,11 @@ class Renderer:
                                     choices=[self._text_choice(i, c) for i, c in enumerate(choices)])
 
     def _chat_choice(self, index: int, c: Choice) -> r.ChatChoice:
-        message = r.AssistantMessage("assistant", "".join(c.text), "".join(c.reasoning) or None)
+        text, calls = "".join(c.text), c.done.tool_calls
+        # With tool calls, no text before them is null content (OpenAI's shape).
+        content = (text or None) if calls else text
+        message = r.AssistantMessage("assistant", content, "".join(c.reasoning) or None,
+                                     [_tool_call(call) for call in calls] or None)
         return r.ChatChoice(index, message, self._chat_logprobs(c.logprobs),
                             http_finish_reason(c.done.finish_reason))
 
@@ -110,11 +115,12 @@ class Renderer:
         return r.ChatChunk(object="chat.completion.chunk", choices=[choice], **self._head())
 
     def chunk(self, index: int, text: str = "", reasoning: str = "",
-              logprobs: Sequence[TokenLogprob] = (),
-              finish_reason: str | None = None) -> r.ChatChunk | r.CompletionResponse:
+              logprobs: Sequence[TokenLogprob] = (), finish_reason: str | None = None,
+              tool_calls: Sequence[ToolCallDelta] = ()) -> r.ChatChunk | r.CompletionResponse:
         reason = None if finish_reason is None else http_finish_reason(finish_reason)
         if self.chat:
-            delta = r.Delta(content=text or None, reasoning=reasoning or None)
+            delta = r.Delta(content=text or None, reasoning=reasoning or None,
+                            tool_calls=_tool_call_chunks(tool_calls) or None)
             lp = self._chat_logprobs(logprobs) if logprobs else None
             choice = r.ChatChunkChoice(index, delta, lp, reason)
             return r.ChatChunk(object="chat.completion.chunk", choices=[choice], **self._head())
@@ -130,6 +136,28 @@ class Renderer:
                                **self._head())
         return r.CompletionResponse(object="text_completion", choices=[], usage=usage(dones),
                                     **self._head())
+
+
+def _tool_call(call: ToolCall) -> r.ToolCallOut:
+    return r.ToolCallOut(call.id, "function", r.FunctionCallOut(call.name, call.arguments))
+
+
+def _tool_call_chunks(deltas: Sequence[ToolCallDelta]) -> list[r.ToolCallChunk]:
+    """One entry per call in a chunk: a call's fragments that arrived together are joined."""
+    out: list[r.ToolCallChunk] = []
+    for d in deltas:
+        if out and out[-1].index == d.index:
+            last = out[-1].function
+            last.arguments = (last.arguments or "") + d.arguments
+        elif d.id is not None:
+            out.append(r.ToolCallChunk(d.index, d.id, "function", r.FunctionDelta(d.name, d.arguments)))
+        else:
+            out.append(r.ToolCallChunk(d.index, function=r.FunctionDelta(arguments=d.arguments)))
+    return out
+
+
+def stream_error(message: str, kind: str, code: int = 400) -> r.StreamErrorEvent:
+    return r.StreamErrorEvent(r.StreamError(message, kind, code))
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",

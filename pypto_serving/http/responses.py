@@ -69,10 +69,24 @@ class CompletionResponse(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    """`content` is null when the reply is only tool calls."""
+
     role: Literal["assistant"]
     content: str | None
     reasoning: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -91,10 +105,26 @@ class ChatResponse(msgspec.Struct):
     usage: Usage
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True):
+    """The first chunk of a call has its index, id, type and name; later ones only the index
+    and a fragment of the arguments (the fragments concatenate to the arguments string)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -113,6 +143,18 @@ class ChatChunk(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class StreamError(msgspec.Struct):
+    message: str
+    type: str
+    code: int
+
+
+class StreamErrorEvent(msgspec.Struct):
+    """An error after the stream's 200 was sent (malformed tool-call output), then [DONE]."""
+
+    error: StreamError
 
 
 class ErrorResponse(msgspec.Struct):

@@ -17,10 +17,11 @@ from pypto_serving.generate_config import GenerateDefaults
 from pypto_serving.http import bodies, protocol
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
 from pypto_serving.http.openapi import openapi_json
-from pypto_serving.http.render import Choice, Renderer, error_body
+from pypto_serving.http.render import Choice, Renderer, error_body, stream_error
 from pypto_serving.requests import Finished, InvalidRequest, TextDelta
 
 log = structlog.get_logger()
+INVALID_OUTPUT = "invalid_model_output"
 
 
 def json_response(body: object, status: int = 200) -> web.Response:
@@ -33,10 +34,12 @@ def _sse(body: object) -> bytes:
 
 
 class Handlers:
-    def __init__(self, engine: Engine, served_name: str, defaults: GenerateDefaults):
+    def __init__(self, engine: Engine, served_name: str, defaults: GenerateDefaults,
+                 parsers: protocol.ModelParsers | None = None):
         self.engine = engine
         self.served_name = served_name
         self.defaults = defaults
+        self.parsers = parsers or protocol.ModelParsers()
         self.created = int(time.time())
 
     def routes(self) -> list[web.RouteDef]:
@@ -71,8 +74,10 @@ class Handlers:
     async def _generate(self, request: web.Request, body_type: type, chat: bool) -> web.StreamResponse:
         try:
             body = protocol.decode_body(await request.read(), body_type)
-            parse = protocol.parse_chat if chat else protocol.parse_completion
-            parsed = parse(body, self.defaults)
+            if chat:
+                parsed = protocol.parse_chat(body, self.defaults, self.parsers)
+            else:
+                parsed = protocol.parse_completion(body, self.defaults)
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
         gen = parsed.request
@@ -100,6 +105,9 @@ class Handlers:
                     results[index].add(event)
                 case Finished():
                     results[index].done = event
+        malformed = [c.done for c in results if c.done.error_type == INVALID_OUTPUT]
+        if malformed:
+            return json_response(error_body(malformed[0].error, kind=INVALID_OUTPUT), 400)
         if all(c.done.finish_reason == "error" and not "".join(c.text) for c in results):
             return json_response(error_body(results[0].done.error or "engine error",
                                             kind="engine_error", code=500), 500)
@@ -118,17 +126,22 @@ class Handlers:
         dones: list[Finished] = []
         async for index, event in choices.events():
             match event:
-                case TextDelta() if event.text or event.reasoning:
+                case TextDelta() if event.text or event.reasoning or event.tool_calls:
                     logprobs, held[index] = held[index] + list(event.logprobs), []
                     await response.write(_sse(renderer.chunk(index, event.text, event.reasoning,
-                                                             logprobs)))
+                                                             logprobs, tool_calls=event.tool_calls)))
                 case TextDelta():
                     held[index].extend(event.logprobs)
+                case Finished() if event.error_type == INVALID_OUTPUT:
+                    # The 200 is already out: the error is an event, and the stream ends.
+                    await response.write(_sse(stream_error(event.error, INVALID_OUTPUT)))
+                    break
                 case Finished():
                     dones.append(event)
                     await response.write(_sse(renderer.chunk(
                         index, logprobs=held[index], finish_reason=event.finish_reason)))
-        await response.write(_sse(renderer.usage_chunk(dones)))
+        else:
+            await response.write(_sse(renderer.usage_chunk(dones)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

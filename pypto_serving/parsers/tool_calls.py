@@ -7,7 +7,8 @@ exactly that call's final arguments string; at most one `ToolCallError` (malform
 output). `finish` also returns the `ToolOutcome`. Non-streaming is `push(all)` then `finish`.
 Two forms are calls: `<tool_call>{"name": …, "arguments": {…}}</tool_call>` (Qwen2/2.5/3,
 Hermes) and, when the declared tools are known, a bare JSON object naming one of them where
-the reply, or the gap after a call, starts with `{` (small Qwen2.5-Coder models).
+the reply, or the gap after a call, starts with `{` or with a Markdown code fence around it
+(small Qwen2.5-Coder models write both).
 State: where the reply is (text, inside a call, after one), the held-back text, the call
 being read. Invariants: no part of a tag reaches content; a call counts only once its object
 closed and parsed; after an error, or after the first call without parallel calls, the rest
@@ -83,6 +84,17 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,')
 _ARGUMENTS = re.compile(r'\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _NORMAL_ENDS = ("stop", "eos")
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n")
+_FENCE_STARTS = ("```json\n", "```\n")
+
+
+def _fenced(text: str) -> bool | None:
+    """Whether `text` opens a Markdown code fence around a JSON object; None: too early to say."""
+    m = _FENCE.match(text)
+    if m is None:
+        return None if any(start.startswith(text) for start in _FENCE_STARTS) else False
+    rest = text[m.end():].lstrip()
+    return rest[0] == "{" if rest else None
 
 
 class _Call:
@@ -102,12 +114,15 @@ class HermesToolParser:
     """One reply's tool-call parser; see the module docstring. `tool_names` None accepts any
     name in tags and never takes bare JSON for a call."""
 
+    name = "hermes"
+
     def __init__(self, tool_names: set[str] | None = None, parallel: bool = True,
                  new_id: Callable[[], str] = new_call_id):
         self._names, self._parallel, self._new_id = tool_names, parallel, new_id
         self._state = "lead"
         self._buf = ""
         self._call: _Call | None = None
+        self._fence = ""  # the code fence around the bare call being read
         self._calls: list[ToolCall] = []
         self._content: list[str] = []
         self._error: str | None = None
@@ -120,7 +135,7 @@ class HermesToolParser:
         return self._take()
 
     def finish(self, finish_reason: str) -> tuple[list[ToolEvent], ToolOutcome]:
-        if self._state in ("lead", "text"):
+        if self._state in ("lead", "between", "text"):
             cut = partial_tag_len(self._buf, _OPEN) if finish_reason == "length" else 0
             self._emit_content(self._buf[: len(self._buf) - cut])
         elif self._state == "call":
@@ -155,7 +170,14 @@ class HermesToolParser:
             self._buf = text
         if not text:
             return False
-        if text[0] == "{" and self._names:
+        fenced = _fenced(text) if self._names and text[0] == "`" else False
+        if fenced is None:  # a code fence arriving: it may hold a call
+            return False
+        if fenced:
+            fence = _FENCE.match(text)
+            self._fence, self._buf = text[: fence.end()], text[fence.end():]
+            self._begin_call(bare=True)
+        elif text[0] == "{" and self._names:
             self._begin_call(bare=True)
         else:
             self._state = "text"
@@ -245,19 +267,20 @@ class HermesToolParser:
 
     def _after_call(self) -> bool:
         text = self._buf.lstrip()
-        if text.startswith(_CLOSE):
-            self._buf, self._state = text[len(_CLOSE):], "between"
+        close = "```" if self._fence else _CLOSE
+        if text.startswith(close):
+            self._buf, self._state, self._fence = text[len(close):], "between", ""
             return True
         self._buf = text
-        if _CLOSE.startswith(text):  # nothing yet, or the closing tag arriving
+        if close.startswith(text):  # nothing yet, or the closing tag arriving
             return False
-        self._state = "between"  # a missing closing tag is forgiven
+        self._state, self._fence = "between", ""  # a missing closing tag is forgiven
         return True
 
     def _unfinished_call(self, cut_by_length: bool) -> None:
         call = self._call
         if call.bare and call.index is None:  # never turned out to be a call
-            self._emit_content(self._buf)
+            self._emit_content(self._fence + self._buf)
         elif not cut_by_length:
             self._reject(call, "the tool call ended before its JSON object closed")
 
@@ -265,6 +288,7 @@ class HermesToolParser:
         """A bare object that is not a call is content; a tagged one is an error."""
         if call.bare and call.index is None:
             self._call, self._state = None, "text"
+            self._buf, self._fence = self._fence + self._buf, ""
         else:
             self._error, self._state = message, "done"
             self._out.append(ToolCallError(message))

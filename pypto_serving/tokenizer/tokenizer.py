@@ -110,6 +110,11 @@ class Tokenizer:
         """Number of token ids, added tokens included (transformers' `len(tokenizer)`)."""
         return self._backend.vocab_size
 
+    def tokenizers_json(self) -> str | None:
+        """The tokenizer in the Hugging Face tokenizers JSON format (what grammar engines
+        index the vocabulary from); None for SentencePiece-only checkpoints."""
+        return self._backend.to_json() if isinstance(self._backend, HFBackend) else None
+
     # --- special tokens and chat ---------------------------------------------------------
 
     @property

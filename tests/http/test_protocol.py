@@ -135,9 +135,8 @@ def test_n_best_of_and_stream_options():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("echo", True), ("logit_bias", {"5": 1}), ("response_format", {"type": "json_object"}),
-    ("use_beam_search", True), ("guided_json", {}), ("skip_special_tokens", False),
-    ("suffix", "x"), ("prompt_logprobs", 1),
+    ("echo", True), ("logit_bias", {"5": 1}), ("use_beam_search", True), ("guided_json", {}),
+    ("skip_special_tokens", False), ("suffix", "x"), ("prompt_logprobs", 1),
 ])
 def test_known_unimplemented_fields_are_refused_unless_default(field: str, value: object):
     err = rejected(completion, field, "not supported", **{field: value})
@@ -155,6 +154,8 @@ def test_tools_need_a_parser():
     rejected(chat, "tool-call parser", tools=[tool])
     rejected(chat, "tool_choice", tool_choice="required")
     chat(tools=[], tool_choice="auto")
+    plain = chat(tools=[tool], tool_choice="none").request  # nothing to parse: allowed
+    assert plain.prompt.tools is None and plain.reply.tool_parser is None
 
 
 def test_reasoning_effort_and_template_kwargs_reach_the_template():
@@ -176,7 +177,9 @@ def test_messages_keep_their_fields():
     ]
     messages = chat(messages=history).request.prompt.messages
     assert messages[0] == {"role": "user", "content": ""}
-    assert messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    # templates write the arguments with tojson: they get the object, not its text
+    assert messages[1]["tool_calls"][0] == {"id": "c1", "type": "function",
+                                            "function": {"name": "f", "arguments": {}}}
     assert messages[1]["reasoning"] == "think" and messages[1]["content"] is None
     assert messages[2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
 

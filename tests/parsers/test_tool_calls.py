@@ -99,6 +99,13 @@ REPLIES = {
     "bare JSON that is not a call": (NOT_A_CALL, Reply((), NOT_A_CALL, "stop")),
     "bare call to an undeclared tool": (UNDECLARED, Reply((), UNDECLARED, "stop")),
     "bare tool schema echoed back": (SCHEMA_ECHO, Reply((), SCHEMA_ECHO, "stop")),
+    "fenced JSON call": (f"```json\n{PARIS}\n```", Reply((weather("Paris"),))),
+    "fenced calls, one per fence": (f"```\n{PARIS}\n```\n```json\n{ROME}\n```",
+                                    Reply((weather("Paris"), weather("Rome")))),
+    "fenced JSON that is not a call": (f"```json\n{NOT_A_CALL}\n```",
+                                       Reply((), f"```json\n{NOT_A_CALL}\n```", "stop")),
+    "fenced code": ("```python\nprint(1)\n```", Reply((), "```python\nprint(1)\n```", "stop")),
+    "a lone fence": ("```", Reply((), "```", "stop")),
 }
 MALFORMED = {
     "bad JSON": '<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>',
