@@ -26,7 +26,7 @@ from pypto_serving.core.scheduler import Scheduler
 
 PREFIXES = ("pypto:", "vllm:")
 LABELS = ("model_name", "engine")
-FINISH_REASONS = ("stop", "length", "aborted", "error")
+FINISH_REASONS = ("stop", "length", "tool_calls", "aborted", "error")
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
             10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -8,7 +8,10 @@ State owned: a pure `Scheduler` (queues and sequences), who to reply to per sequ
 each waiting sequence was submitted (queue-time metric and trace spans).
 Invariants: at most one step is being allocated or executed at a time; every sequence
 that ends has its blocks freed and its request told, exactly once; after `AbortAll` or a
-worker death every new submission ends at once.
+worker death every new submission ends at once; a step's tokens reach the request actors
+after the next step has gone to the device worker (their detokenizing and HTTP writes then
+overlap the device's work instead of delaying it), and always before anything else is told
+about the same sequences.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class SchedulerActor(Actor):
         self.metrics = metrics or EngineMetrics("model")
         self.recorder = recorder or SpanRecorder("api")
         self._reply_to: dict[int, Actor] = {}
+        self._undelivered: list[TokenEvent] = []  # the last step's tokens, until the next is sent
         self._queued: dict[int, tuple[float, int | None]] = {}  # seq_id -> (submitted us, lane)
         self._busy = False  # an Allocate or a StepPlan is outstanding
         self._phase_start = 0.0  # when the outstanding Allocate or StepPlan was sent (us)
@@ -87,6 +91,7 @@ class SchedulerActor(Actor):
             case Allocated(demands, allocation):
                 self._busy = False
                 self._run_step(self.scheduler.commit(list(demands), allocation), allocation)
+                self._deliver_tokens()
             case StepResult():
                 self._busy = False
                 self.recorder.complete("step", "engine", self._phase_start, step_id=msg.step_id,
@@ -158,28 +163,39 @@ class SchedulerActor(Actor):
             self._die(f"device worker failed: {result.error}")
             return
         events, ended = self.scheduler.on_result(result)
-        for event in events:
-            self._deliver(event)
+        self._undelivered.extend(events)
         for seq in ended:
             self._finish(seq, told=True)
         self._kick()
+        if not self._busy:  # no next step to send first
+            self._deliver_tokens()
 
-    def _deliver(self, event: TokenEvent) -> None:
-        reply_to = self._reply_to.get(event.seq.seq_id)
-        if reply_to is not None:
-            reply_to.tell(request_msgs.Tokens(event.seq.seq_id, (event.token_id,), event.finish_reason,
-                                 logprobs=(event.logprob,), top_logprobs=(event.top_logprobs,),
-                                 num_cached_tokens=event.seq.num_cached_tokens or 0))
+    def _deliver_tokens(self) -> None:
+        events, self._undelivered = self._undelivered, []
+        for event in events:
+            seq_id = event.seq.seq_id
+            ended = event.finish_reason is not None
+            reply_to = self._reply_to.pop(seq_id, None) if ended else self._reply_to.get(seq_id)
+            if reply_to is not None:
+                reply_to.tell(request_msgs.Tokens(
+                    event.seq.seq_id, (event.token_id,), event.finish_reason,
+                    logprobs=(event.logprob,), top_logprobs=(event.top_logprobs,),
+                    num_cached_tokens=event.seq.num_cached_tokens or 0))
 
     def _finish(self, seq: Sequence, told: bool = False) -> None:
+        if not told:
+            self._deliver_tokens()  # its earlier tokens first
         self._dequeue([seq.seq_id], scheduled=False)
         self.kv.tell(Free(seq.seq_id, seq.num_computed))
+        if told:  # its last token event, still to be delivered, says that it ended
+            return
         reply_to = self._reply_to.pop(seq.seq_id, None)
-        if reply_to is not None and not told:
+        if reply_to is not None:
             reply_to.tell(request_msgs.Tokens(seq.seq_id, (), seq.finish_reason,
                                  num_cached_tokens=seq.num_cached_tokens or 0))
 
     def _die(self, reason: str) -> None:
+        self._deliver_tokens()
         log.error("engine stopped", reason=reason)
         self.dead_reason = reason
         for seq in self.scheduler.fail_all("error"):

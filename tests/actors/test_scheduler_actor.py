@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pypto_serving.actors.base import Actor
-from pypto_serving.actors.device_worker import StepPlan
+from pypto_serving.actors.device_worker import StepPlan, StepResult
 from pypto_serving.actors.kv_allocator import KVAllocatorActor
 from pypto_serving.actors.request import Tokens
 from pypto_serving.actors.scheduler import AbortAll, SchedulerActor, Submit, WorkerDied
@@ -90,5 +90,43 @@ async def test_worker_death_errors_every_request_and_frees_its_blocks():
     assert [m.finish_reason for m in inbox.received] == ["error"] * 4
     assert all("died" in m.error for m in inbox.received)
     assert alloc.usage == 0.0 and actor.dead_reason is not None
+    alloc.check_integrity()
+    await stop(actor, inbox)
+
+
+class AnsweringWorker(FakeWorker):
+    """Answers every plan with token 7 per sampled sequence, and notes how many tokens the
+    request had been told about when each plan went out."""
+
+    def __init__(self, actor_ref: list, inbox: Inbox) -> None:
+        super().__init__()
+        self.actor_ref, self.inbox = actor_ref, inbox
+        self.told_when_sent: list[int] = []
+
+    def send(self, plan: StepPlan) -> None:
+        super().send(plan)
+        told = [*self.inbox.received, *self.inbox._inbox._queue]  # handled or waiting
+        self.told_when_sent.append(sum(len(m.token_ids) for m in told))
+        sampled = [s.seq_id for s in plan.seqs if s.sample]
+        self.actor_ref[0].tell(StepResult(plan.step_id, sampled, [7] * len(sampled)))
+
+
+async def test_next_step_goes_out_before_the_last_tokens_are_delivered():
+    alloc = BlockAllocator(16, 4)
+    policy = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=64))
+    inbox, ref = Inbox(), []
+    worker = AnsweringWorker(ref, inbox)
+    kv = KVAllocatorActor(alloc)
+    actor = SchedulerActor(policy, kv, worker)
+    ref.append(actor)
+    for each in (kv, actor, inbox):
+        each.start()
+    submit(actor, inbox, 0)  # max_tokens 8
+    for _ in range(10):
+        await settle()
+    # Plan k + 1 (k >= 0) left before token k was told to the request.
+    assert worker.told_when_sent == [0, 0, 1, 2, 3, 4, 5, 6]
+    assert [m.token_ids for m in inbox.received] == [(7,)] * 8
+    assert inbox.received[-1].finish_reason == "length" and len(worker.plans) == 8
     alloc.check_integrity()
     await stop(actor, inbox)

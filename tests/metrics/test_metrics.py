@@ -92,7 +92,7 @@ def test_prometheus_text_parses_with_both_prefixes_and_labels():
                        for s in family.samples)
         success = {s.labels["finished_reason"]: s.value
                    for s in families[prefix + "request_success"].samples}
-        assert success == {"stop": 1, "length": 0, "aborted": 1, "error": 0}
+        assert success == {"stop": 1, "length": 0, "tool_calls": 0, "aborted": 1, "error": 0}
         prompt = families[prefix + "prompt_tokens"].samples[0]
         assert prompt.name == prefix + "prompt_tokens_total" and prompt.value == 9
 

@@ -1,0 +1,97 @@
+"""Times the device worker's decode step alone (no HTTP, no pipe) on a GGUF model.
+
+    python benchmarks/worker_step.py [--model PATH] [--batch 1 16] [--steps 64] [--profile]
+
+Prints ms per decode step for each batch size (median over `--steps`), and with `--profile`
+the functions where a batch-1 step spends its time (cProfile, sorted by own time). Compare
+with the serve benchmark's inter-token latency to see what the rest of the server adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan, WorkerConfig
+from pypto_serving.loader.gguf_file import arch_from_gguf
+from pypto_serving.packaged_models import smollm2_path
+from pypto_serving.sampling import SamplingParams
+from pypto_serving.worker.model_runner import ModelRunner
+
+BLOCK = 16
+PROMPT = 128
+
+
+def runner_for(path: str, max_seqs: int, quantization: str) -> ModelRunner:
+    return ModelRunner(WorkerConfig(
+        model_path=path, model_format="gguf", arch=arch_from_gguf(path), dtype="float32",
+        kv_cache_dtype="float16" if quantization != "none" else "float32", backend="cpu",
+        device="cpu", block_size=BLOCK, max_num_blocks=max_seqs * 24, kv_cache_bytes=1 << 28,
+        gpu_memory_utilization=0.9, max_num_seqs=max_seqs, max_model_len=384,
+        max_num_batched_tokens=4096, quantization=quantization))
+
+
+class Decoder:
+    """`batch` sequences of a PROMPT-token prompt, then one decode step per call."""
+
+    def __init__(self, runner: ModelRunner, batch: int, first_id: int):
+        self.runner, self.step_id = runner, 0
+        self.seqs = list(range(first_id, first_id + batch))
+        blocks = 24
+        self.tables = {s: list(range(i * blocks, (i + 1) * blocks)) for i, s in enumerate(self.seqs)}
+        prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT)]
+        plan = [ScheduledSeq(s, prompt, 0, self.tables[s], True, True, [], PROMPT, SamplingParams())
+                for s in self.seqs]
+        self.last = dict(zip(self.seqs, self._run(plan), strict=True))
+        self.pos = PROMPT
+
+    def _run(self, seqs: list[ScheduledSeq]) -> list[int]:
+        result = self.runner.execute(StepPlan(self.step_id, seqs))
+        self.step_id += 1
+        return result.token_ids
+
+    def step(self) -> None:
+        plan = [ScheduledSeq(s, [self.last[s]], self.pos, [], True) for s in self.seqs]
+        self.last = dict(zip(self.seqs, self._run(plan), strict=True))
+        self.pos += 1
+
+    def finish(self) -> None:
+        self.runner.execute(StepPlan(self.step_id, [], self.seqs))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF path (default: the packaged SmolLM2)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    path = args.model or str(smollm2_path())
+    runner = runner_for(path, max(args.batch), args.quantization)
+    first = 0
+    for batch in args.batch:
+        dec = Decoder(runner, batch, first)
+        first += batch
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            dec.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        dec.finish()
+        ms = statistics.median(times)
+        print(f"batch {batch:3d}: {ms:7.2f} ms/step (min {min(times):.2f}), "
+              f"{batch * 1e3 / ms:7.1f} tokens/s")
+    if args.profile:
+        dec = Decoder(runner, 1, first)
+        with cProfile.Profile() as prof:
+            for _ in range(args.steps):
+                dec.step()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
