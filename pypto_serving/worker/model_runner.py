@@ -20,6 +20,7 @@ from pypto_serving.actors.device_worker import (
 from pypto_serving.kernels.sampling import SamplerOutput, sample
 from pypto_serving.loader.hf import count_safetensors, load_safetensors
 from pypto_serving.models import LayerFactory, build_model, load_weights
+from pypto_serving.models.decode_stack import DecodeStack
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.worker.batch import StepBatch, prepare
 from pypto_serving.worker.grammar import Grammars, advance
@@ -76,7 +77,8 @@ class ModelRunner:
         self.dtype = torch_dtype(cfg.dtype)
         self.kv_dtype = torch_dtype(cfg.kv_cache_dtype, auto=self.dtype)
         # The C kernels are the CPU backend's variant of the packed matmul.
-        layers = LayerFactory(cfg.quantization, fast=cfg.backend == "cpu" and self.dtype == torch.float32)
+        fast = cfg.backend == "cpu" and self.dtype == torch.float32
+        layers = LayerFactory(cfg.quantization, fast=fast)
         self.model = build_model(cfg.arch, self.dtype, self.device, cfg.max_model_len, layers)
         load_weights(self.model, cfg.arch, weight_source(cfg))
         self.weight_bytes = module_bytes(self.model)
@@ -86,6 +88,8 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.max_num_blocks)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         self.kv_caches = self._allocate(self.num_blocks)
+        # Decode steps in one C call where the per-layer path would use the C kernels anyway.
+        self.stack = DecodeStack.build(self.model, self.kv_caches) if fast else None
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.execute_with_logits(plan)[0]
@@ -109,7 +113,10 @@ class ModelRunner:
         return result, logits
 
     def _forward(self, batch: StepBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)
+        if self.stack is not None and self.stack.applies(batch.attn, kv_caches):
+            hidden = self.stack(batch.input_ids, batch.positions, batch.attn)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)
         # Only the last token of each sampled chunk goes through lm_head.
         return self.model.compute_logits(hidden[batch.sample_rows]).float()
 

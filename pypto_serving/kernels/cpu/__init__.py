@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.c", "decoder.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.c", "decoder.c", "stack.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -30,6 +30,7 @@ SIGNATURES = {
     "silu_and_mul": [_P, _I, _I, _P],
     "rope_write_kv": [_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I],
     "decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P, _P, _I],
+    "decode_stack": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P],
 }
 
 

@@ -1,0 +1,109 @@
+"""A decode step's whole decoder stack as one C call (kernels/cpu/stack.c), CPU fast path.
+
+At batch 1 a SmolLM2 decode step is ~120 packed matmuls and ~150 small fused kernels; called
+one by one from Python, their dispatch took about as long as their arithmetic. `DecodeStack`
+describes every layer's weights and KV cache to the C side once (ctypes structs holding raw
+pointers; the model and the caches keep the tensors alive), then runs a step of
+single-query sequences in one call. The kernels and their order are those of the per-layer
+path, so the hidden states are the same bit for bit (tests/models check it).
+Used only where that path would use the same fused kernels: packed weights whose widths fill
+whole panels, no q/k norms (Qwen3), head_dim <= 64, every row a decode row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pypto_serving.kernels.attention import AttentionMetadata
+from pypto_serving.kernels.quant_linear import PANEL
+from pypto_serving.models.llama import LlamaForCausalLM
+from pypto_serving.models.quant import QuantEmbedding, QuantLinear
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("q", _P), ("scale", _P), ("zero", _P), ("bias", _P), ("k", _I), ("n_blocks", _I), ("bits", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _QLinear), ("o", _QLinear),
+                ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("intermediate", _I), ("kv_half", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("final_norm", _P)]
+
+
+def _qlinear(m: torch.nn.Module) -> _QLinear:
+    w = m.weight.packed
+    bias = m._panel_bias
+    return _QLinear(w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(),
+                    None if bias is None else bias.data_ptr(), w.k, w.q.shape[0], w.bits)
+
+
+def _fills_panels(m: torch.nn.Module) -> bool:
+    return isinstance(m, QuantLinear) and m.weight.packed.n % PANEL == 0
+
+
+class DecodeStack:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]):
+        from pypto_serving.kernels.cpu import library
+
+        self._lib = library()
+        self._model = model
+        arch = model.arch
+        layers = model.model.layers
+        self._kv_half = kv_caches[0][0].dtype == torch.float16
+        self._shape = _Shape(arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
+                             arch.head_dim, arch.intermediate_size, int(self._kv_half),
+                             layers[0].input_layernorm.eps, arch.head_dim**-0.5,
+                             model.model.norm.weight.data_ptr())
+        self._layers = (_Layer * len(layers))(*(
+            _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                   _qlinear(layer.self_attn.qkv_proj), _qlinear(layer.self_attn.o_proj),
+                   _qlinear(layer.mlp.gate_up_proj), _qlinear(layer.mlp.down_proj),
+                   kv[0].data_ptr(), kv[1].data_ptr())
+            for layer, kv in zip(layers, kv_caches, strict=True)))
+        self._caches = kv_caches  # kept alive: the structs point into them
+
+    @staticmethod
+    def build(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecodeStack | None:
+        """The stack when the model and caches fit it and the C kernels run here, else None."""
+        from pypto_serving.kernels import cpu
+
+        arch = model.arch
+        linears = [m for layer in model.model.layers
+                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        fits = (
+            cpu.available() and model.rope.dtype == torch.float32
+            and not arch.qk_norm and arch.head_dim <= 64 and arch.head_dim % 16 == 0
+            and arch.hidden_size % 8 == 0 and arch.intermediate_size % 8 == 0
+            and isinstance(model.model.embed_tokens, QuantEmbedding)
+            and all(_fills_panels(m) for m in linears)
+            and all(k.dtype == v.dtype and k.dtype in (torch.float16, torch.float32)
+                    and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
+        )
+        return DecodeStack(model, kv_caches) if fits else None
+
+    def applies(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
+        return meta.all_decode and meta.decode_lens is not None and kv_caches is self._caches
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] (one per sequence) -> final hidden states [T, hidden]."""
+        x = self._model.model.embed_tokens(input_ids)  # becomes the residual stream
+        rows = self._model.rope[positions]  # [T, 2, d / 2]: cos then sin
+        slots = meta.slot_mapping.contiguous()
+        ctx, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
+        out = torch.empty_like(x)
+        half = self._shape.head_dim // 2
+        self._lib.decode_stack(ctypes.byref(self._shape), self._layers, x.shape[0], x.data_ptr(),
+                               rows.data_ptr(), rows.data_ptr() + half * 4, 2 * half, slots.data_ptr(),
+                               ctx.data_ptr(), ctx.shape[1], lens.data_ptr(), out.data_ptr())
+        return out

@@ -1,0 +1,47 @@
+"""The one-call decode stack gives exactly the per-layer path's logits, and is used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pypto_serving.kernels import cpu
+from pypto_serving.sampling import SamplingParams
+from tests.worker.tiny_models import Driver
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
+PROMPTS = [[(5 * i + 11 + j) % 256 for i in range(n)] for j, n in enumerate((9, 3, 14))]
+
+
+def decode_logits(d: Driver, steps: int) -> list[torch.Tensor]:
+    """Prefill three sequences of different lengths, then `steps` batched decode steps."""
+    _, logits = d.step([d.add(i, p, len(p), SamplingParams(temperature=1.0, seed=i))
+                        for i, p in enumerate(PROMPTS)])
+    out = [logits]
+    for _ in range(steps):
+        out.append(d.step([d.next(i) for i in range(len(PROMPTS))])[1])
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied"])  # qwen2: q/k/v bias
+@pytest.mark.parametrize("kv", ["float16", "float32"])
+def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str) -> None:
+    fast, _ = driver(name, quantization="int4", kv_cache_dtype=kv)
+    slow, _ = driver(name, quantization="int4", kv_cache_dtype=kv)
+    assert fast.runner.stack is not None
+    slow.runner.stack = None
+    calls = []
+    stack = fast.runner.stack
+    fast.runner.stack = type("Counting", (), {
+        "applies": lambda self, *a: stack.applies(*a),
+        "__call__": lambda self, *a: calls.append(1) or stack(*a)})()
+    got, want = decode_logits(fast, 6), decode_logits(slow, 6)
+    assert len(calls) == 6  # every decode step, not the prefill
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert fast.tokens == slow.tokens
+
+
+def test_no_stack_where_it_does_not_fit(driver) -> None:
+    assert driver("llama")[0].runner.stack is None  # exact fp32 weights
+    assert driver("qwen3", quantization="int4")[0].runner.stack is None  # q/k norms
