@@ -11,13 +11,16 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pypto_serving.loader.arch import ModelArch, RopeScaling
 from pypto_serving.loader.errors import UnsupportedModel
 from pypto_serving.loader.gguf_reader import GGUFFile, read_gguf
+
+if TYPE_CHECKING:  # torch is heavy: the API process reads model shapes without it
+    import torch
 
 __all__ = ["UnsupportedModel", "arch_from_gguf", "load_gguf_tensors"]
 
@@ -52,6 +55,8 @@ def arch_from_gguf(path: str | Path) -> ModelArch:
 
 def load_gguf_tensors(path: str | Path, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields `(hf_name, float32 tensor)` in file order, one tensor in memory at a time."""
+    import torch
+
     gguf = read_gguf(path)
     for name in gguf.tensors:
         if _IGNORED.fullmatch(name):

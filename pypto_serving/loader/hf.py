@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from pypto_serving.loader.arch import ModelArch, RopeScaling
 from pypto_serving.loader.errors import UnsupportedModel
+
+if TYPE_CHECKING:  # torch is heavy: the API process reads model shapes without it
+    import torch
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -10,7 +10,7 @@ sample EOS only, with a warning, rather than failing the step.
 from __future__ import annotations
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: importing it loads torch.compile (~120 MiB)
 import structlog
 import torch
 
@@ -39,9 +39,10 @@ class Grammars:
 
     def bitmask(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """[R, ceil(V / 32)] int32 on the CPU: row i's allowed next tokens for matchers[i]."""
-        mask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+        array = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
         for row, matcher in enumerate(matchers):
-            llguidance.torch.fill_next_token_bitmask(matcher, mask, row)
+            llguidance.numpy.fill_next_token_bitmask(matcher, array, row)
+        mask = torch.from_numpy(array)
         empty = (~mask.any(dim=1)).tolist()
         for row, matcher in enumerate(matchers):
             if empty[row] or matcher.is_error():
