@@ -207,10 +207,11 @@ def test_scrapes_are_not_logged(ops_server: ServerProcess):
 def test_graceful_shutdown_with_requests_in_flight_while_recording(ops_server: ServerProcess):
     url, proc = ops_server.url, ops_server.proc
     assert httpx.post(url + "/start_profile").status_code == 200
-    # The short one needs one more token within --shutdown-timeout (10 s); the long one would
-    # need 48 tokens/s under the kernel profiler, which no CPU run of ours reaches.
+    # The short one needs one more token within --shutdown-timeout (10 s); the long one (eight
+    # choices of 480 tokens) would need 384 tokens/s under the kernel profiler while its KV
+    # (~90 MiB, more than the 64 MiB cache) churns through preemption: out of a CPU's reach.
     short = BackgroundStream(url, {"prompt": "Short one", "max_tokens": 2})
-    long = BackgroundStream(url, {"prompt": "Long one", "max_tokens": 480})
+    long = BackgroundStream(url, {"prompt": "Long one", "max_tokens": 480, "n": 8})
     for stream in (short, long):
         stream.start()
         assert stream.first.wait(300)
