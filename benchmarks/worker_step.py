@@ -29,8 +29,8 @@ def runner_for(path: str, max_seqs: int, quantization: str) -> ModelRunner:
     return ModelRunner(WorkerConfig(
         model_path=path, model_format="gguf", arch=arch_from_gguf(path), dtype="float32",
         kv_cache_dtype="float16" if quantization != "none" else "float32", backend="cpu",
-        device="cpu", block_size=BLOCK, max_num_blocks=max_seqs * 24, kv_cache_bytes=1 << 28,
-        gpu_memory_utilization=0.9, max_num_seqs=max_seqs, max_model_len=384,
+        device="cpu", block_size=BLOCK, max_num_blocks=max_seqs * 64, kv_cache_bytes=1 << 28,
+        gpu_memory_utilization=0.9, max_num_seqs=max_seqs, max_model_len=1024,
         max_num_batched_tokens=4096, quantization=quantization))
 
 

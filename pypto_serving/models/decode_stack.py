@@ -26,7 +26,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class _QLinear(ctypes.Structure):
-    _fields_ = [("q", _P), ("scale", _P), ("zero", _P), ("bias", _P), ("k", _I), ("n_blocks", _I), ("bits", _I)]
+    _fields_ = [("q", _P), ("scale", _P), ("zero", _P), ("bias", _P), ("k", _I), ("n_blocks", _I),
+                ("bits", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -95,7 +96,8 @@ class DecodeStack:
     def applies(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
         return meta.all_decode and meta.decode_lens is not None and kv_caches is self._caches
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] (one per sequence) -> final hidden states [T, hidden]."""
         x = self._model.model.embed_tokens(input_ids)  # becomes the residual stream
         rows = self._model.rope[positions]  # [T, 2, d / 2]: cos then sin

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pypto_serving.actors.device_worker import ScheduledSeq
-from pypto_serving.kernels.attention import AttentionMetadata, PrefillSegment, chunk_mask
+from pypto_serving.kernels.attention import AttentionMetadata, PrefillSegment
 from pypto_serving.kernels.paged_kv import context_slots, slots_of_positions
 from pypto_serving.worker.seq_state import SeqState
 
@@ -61,7 +61,6 @@ def _attention_metadata(
             start=starts[i],
             end=starts[i] + len(s.token_ids),
             ctx_slots=context_slots(tables[i : i + 1], block_size, ctx_lens[i])[0],
-            mask=chunk_mask(s.start_pos, len(s.token_ids), tables.device),
         )
         for i, s in enumerate(seqs)
         if len(s.token_ids) > 1

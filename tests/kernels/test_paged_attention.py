@@ -9,7 +9,6 @@ import torch
 
 from pypto_serving.actors.device_worker import ScheduledSeq
 from pypto_serving.kernels.attention import (
-    chunk_mask,
     decode_attention,
     paged_attention,
     prefill_attention,
@@ -67,15 +66,16 @@ def test_decode_attention_matches_dense() -> None:
         torch.testing.assert_close(out[row : row + 1], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("start", [0, 6])
-def test_prefill_attention_with_and_without_prefix(start: int) -> None:
+@pytest.mark.parametrize("start, n", [(0, 7), (6, 7), (0, 150), (20, 130)])  # > 128 rows: 2 blocks
+def test_prefill_attention_with_and_without_prefix(start: int, n: int) -> None:
     k_cache, v_cache = empty_cache()
-    length, table = start + 7, torch.tensor([[13, 4, 22, 1]])
+    length = start + n
+    table = torch.randperm(NUM_BLOCKS)[: -(-length // BLOCK)].unsqueeze(0)
     k, v = torch.randn(length, KV_HEADS, DIM), torch.randn(length, KV_HEADS, DIM)
     slots = context_slots(table, BLOCK, length)[0]
     write_kv(k_cache, v_cache, k, v, slots)
-    q = torch.randn(7, HEADS, DIM)
-    out = prefill_attention(q, k_cache, v_cache, slots, chunk_mask(start, 7, q.device), SCALE)
+    q = torch.randn(n, HEADS, DIM)
+    out = prefill_attention(q, k_cache, v_cache, slots, SCALE)
     torch.testing.assert_close(out, naive_attention(q, k, v, start), atol=1e-5, rtol=1e-5)
 
 
