@@ -23,24 +23,25 @@ from pypto_serving.worker.model_runner import ModelRunner
 
 BLOCK = 16
 PROMPT = 128
+MAX_LEN = 1024  # the runner's max_model_len: the prompt and every step must fit
 
 
 def runner_for(path: str, max_seqs: int, quantization: str) -> ModelRunner:
     return ModelRunner(WorkerConfig(
         model_path=path, model_format="gguf", arch=arch_from_gguf(path), dtype="float32",
         kv_cache_dtype="float16" if quantization != "none" else "float32", backend="cpu",
-        device="cpu", block_size=BLOCK, max_num_blocks=max_seqs * 64, kv_cache_bytes=1 << 28,
-        gpu_memory_utilization=0.9, max_num_seqs=max_seqs, max_model_len=1024,
+        device="cpu", block_size=BLOCK, max_num_blocks=max_seqs * MAX_LEN // BLOCK, kv_cache_bytes=1 << 28,
+        gpu_memory_utilization=0.9, max_num_seqs=max_seqs, max_model_len=MAX_LEN,
         max_num_batched_tokens=4096, quantization=quantization))
 
 
 class Decoder:
     """`batch` sequences of a PROMPT-token prompt, then one decode step per call."""
 
-    def __init__(self, runner: ModelRunner, batch: int, first_id: int):
+    def __init__(self, runner: ModelRunner, batch: int, first_id: int, steps: int):
         self.runner, self.step_id = runner, 0
         self.seqs = list(range(first_id, first_id + batch))
-        blocks = 24
+        blocks = -(-(PROMPT + steps + 1) // BLOCK)
         self.tables = {s: list(range(i * blocks, (i + 1) * blocks)) for i, s in enumerate(self.seqs)}
         prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT)]
         plan = [ScheduledSeq(s, prompt, 0, self.tables[s], True, True, [], PROMPT, SamplingParams())
@@ -70,11 +71,13 @@ def main() -> None:
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
+    if PROMPT + args.steps >= MAX_LEN:
+        p.error(f"--steps must be below {MAX_LEN - PROMPT}")
     path = args.model or str(smollm2_path())
     runner = runner_for(path, max(args.batch), args.quantization)
     first = 0
     for batch in args.batch:
-        dec = Decoder(runner, batch, first)
+        dec = Decoder(runner, batch, first, args.steps)
         first += batch
         times = []
         for _ in range(args.steps):
@@ -86,7 +89,7 @@ def main() -> None:
         print(f"batch {batch:3d}: {ms:7.2f} ms/step (min {min(times):.2f}), "
               f"{batch * 1e3 / ms:7.1f} tokens/s")
     if args.profile:
-        dec = Decoder(runner, 1, first)
+        dec = Decoder(runner, 1, first, args.steps)
         with cProfile.Profile() as prof:
             for _ in range(args.steps):
                 dec.step()

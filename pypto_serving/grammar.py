@@ -91,5 +91,10 @@ class Grammars:
         if self._checker is None:
             self._checker = asyncio.ensure_future(asyncio.to_thread(
                 GrammarChecker, self._json, self._vocab_size, self._eos))
-        checker = await asyncio.shield(self._checker)
+        try:
+            checker = await asyncio.shield(self._checker)
+        except Exception as exc:
+            self._checker = None  # the next request tries again
+            raise InvalidRequest(f"'{param}' needs constrained decoding, but the model's "
+                                 f"vocabulary could not be indexed for it: {exc}", param) from exc
         checker.check(grammar, param)

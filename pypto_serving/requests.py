@@ -82,6 +82,9 @@ class TextDelta:
     tool_calls: tuple[ToolCallDelta, ...] = ()  # set by a tool-call parser
 
 
+INVALID_MODEL_OUTPUT = "invalid_model_output"  # Finished.error_type of unparsable tool calls
+
+
 @dataclass(frozen=True, slots=True)
 class Finished:
     finish_reason: str  # stop, eos, length, aborted, error, tool_calls

@@ -29,6 +29,7 @@ from pypto_serving.grammar import Grammars
 from pypto_serving.logprobs import token_logprobs
 from pypto_serving.parsers.reply import ReplyDelta, ReplyEnd, ReplyParser
 from pypto_serving.requests import (
+    INVALID_MODEL_OUTPUT,
     Finished,
     GenerateRequest,
     InvalidRequest,
@@ -42,6 +43,7 @@ from pypto_serving.tokenizer.stop import StopMatcher
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 log = structlog.get_logger()
+ENGINE_ENDINGS = ("error", "aborted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,9 +189,12 @@ class RequestActor(Actor):
             ending = stopped or msg.finish_reason is not None or delta.error is not None
             done = self._finish(msg, len(prompt_ids), count, stopped) if ending else None
             if done is not None and delta.error is None:
-                tail, end = parser.finish(done.finish_reason)
+                # The engine ending a reply (error, abort) cuts it off like a length limit:
+                # a call it interrupted is not the model's malformed output.
+                engine_end = done.finish_reason in ENGINE_ENDINGS
+                tail, end = parser.finish("length" if engine_end else done.finish_reason)
                 delta = _joined(delta, tail)
-                done = self._parsed(done, end, delta.error)
+                done = done if engine_end else self._parsed(done, end, delta.error)
             if msg.token_ids or delta.content or delta.reasoning or delta.tool_calls:
                 yield _text_delta(delta, msg.token_ids, self._logprobs(msg))
             if done is not None:
@@ -227,7 +232,7 @@ class RequestActor(Actor):
     def _malformed(self, done: Finished, error: str) -> Finished:
         self.log.info("invalid model output", error=error)
         return dataclasses.replace(done, finish_reason="error", error=error,
-                                   error_type="invalid_model_output")
+                                   error_type=INVALID_MODEL_OUTPUT)
 
 
 def _joined(a: ReplyDelta, b: ReplyDelta) -> ReplyDelta:

@@ -48,7 +48,7 @@ class Submit:
 @dataclass(frozen=True, slots=True)
 class Abort:
     seq_id: int
-    reason: str  # "aborted" (client gone) or "stop" (stop string matched)
+    reason: str  # "aborted" (client gone), "stop" (stop string), "error" (malformed tool call)
 
 
 @dataclass(frozen=True, slots=True)

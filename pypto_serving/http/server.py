@@ -18,10 +18,9 @@ from pypto_serving.http import bodies, protocol
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
 from pypto_serving.http.openapi import openapi_json
 from pypto_serving.http.render import Choice, Renderer, error_body, stream_error
-from pypto_serving.requests import Finished, InvalidRequest, TextDelta
+from pypto_serving.requests import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
 
 log = structlog.get_logger()
-INVALID_OUTPUT = "invalid_model_output"
 
 
 def json_response(body: object, status: int = 200) -> web.Response:
@@ -105,9 +104,9 @@ class Handlers:
                     results[index].add(event)
                 case Finished():
                     results[index].done = event
-        malformed = [c.done for c in results if c.done.error_type == INVALID_OUTPUT]
+        malformed = [c.done for c in results if c.done.error_type == INVALID_MODEL_OUTPUT]
         if malformed:
-            return json_response(error_body(malformed[0].error, kind=INVALID_OUTPUT), 400)
+            return json_response(error_body(malformed[0].error, kind=INVALID_MODEL_OUTPUT), 400)
         if all(c.done.finish_reason == "error" and not "".join(c.text) for c in results):
             return json_response(error_body(results[0].done.error or "engine error",
                                             kind="engine_error", code=500), 500)
@@ -132,9 +131,9 @@ class Handlers:
                                                              logprobs, tool_calls=event.tool_calls)))
                 case TextDelta():
                     held[index].extend(event.logprobs)
-                case Finished() if event.error_type == INVALID_OUTPUT:
+                case Finished() if event.error_type == INVALID_MODEL_OUTPUT:
                     # The 200 is already out: the error is an event, and the stream ends.
-                    await response.write(_sse(stream_error(event.error, INVALID_OUTPUT)))
+                    await response.write(_sse(stream_error(event.error, INVALID_MODEL_OUTPUT)))
                     break
                 case Finished():
                     dones.append(event)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pypto_serving.kernels.paged_kv import gather_kv
 
@@ -88,11 +89,13 @@ def prefill_attention(
 ) -> torch.Tensor:
     """One chunk: q [q, H, d], the last q of its context slots [L] -> [q, H, d], causal.
 
-    Blocks of PREFILL_BLOCK query rows, each against the keys up to its last row only, so the
-    masked-out half of a causal square is never computed (CPU SDPA computes all of it and
-    ran at ~6 GFLOP/s on a 512-token chunk). Query heads that share a kv head are one matmul's
-    rows: GQA without copying K/V.
+    On the CPU: blocks of PREFILL_BLOCK query rows, each against the keys up to its last row
+    only, so the masked-out half of a causal square is never computed (CPU SDPA computes all
+    of it and ran at ~6 GFLOP/s on a 512-token chunk); query heads that share a kv head are
+    one matmul's rows (GQA without copying K/V); scores and softmax in float32. Elsewhere SDPA.
     """
+    if q.device.type != "cpu":
+        return _sdpa_prefill(q, k_cache, v_cache, ctx_slots, scale)
     n_q, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -105,11 +108,27 @@ def prefill_attention(
         rows, seen = e - s, start + e
         qb = q[s:e].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         scores = torch.matmul(qb.reshape(kv_heads, group * rows, head_dim), keys[:, :, :seen])
-        scores = scores.view(kv_heads, group, rows, seen).mul_(scale)
+        scores = scores.view(kv_heads, group, rows, seen).float().mul_(scale)
         query_pos = torch.arange(start + s, start + e, device=q.device).unsqueeze(1)
         future = torch.arange(seen, device=q.device) > query_pos  # [rows, seen]
-        probs = scores.masked_fill_(future, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill_(future, float("-inf")).softmax(dim=-1).to(q.dtype)
         block = torch.matmul(probs.view(kv_heads, group * rows, seen), values[:, :seen])
         block = block.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
         out[s:e] = block.reshape(rows, heads, head_dim)
     return out
+
+
+def _sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  ctx_slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """The accelerators' prefill attention: SDPA over the chunk's whole context."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    start = ctx_slots.shape[0] - q.shape[0]
+    k = gather_kv(k_cache, ctx_slots).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)
+    v = gather_kv(v_cache, ctx_slots).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)
+    mask = None
+    if start:
+        query_pos = torch.arange(start, ctx_slots.shape[0], device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx_slots.shape[0], device=q.device) <= query_pos
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out.transpose(0, 1)

@@ -105,7 +105,9 @@ class DecodeStack:
         ctx, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
         out = torch.empty_like(x)
         half = self._shape.head_dim // 2
-        self._lib.decode_stack(ctypes.byref(self._shape), self._layers, x.shape[0], x.data_ptr(),
+        status = self._lib.decode_stack(ctypes.byref(self._shape), self._layers, x.shape[0], x.data_ptr(),
                                rows.data_ptr(), rows.data_ptr() + half * 4, 2 * half, slots.data_ptr(),
                                ctx.data_ptr(), ctx.shape[1], lens.data_ptr(), out.data_ptr())
+        if status != 0:
+            raise MemoryError(f"decode stack: no memory for the scratch of {x.shape[0]} sequences")
         return out

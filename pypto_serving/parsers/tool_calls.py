@@ -84,7 +84,7 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,')
 _ARGUMENTS = re.compile(r'\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _NORMAL_ENDS = ("stop", "eos")
-_FENCE = re.compile(r"```(?:json)?[ \t]*\n")
+_FENCE = re.compile(r"```(?:json)?\n")
 _FENCE_STARTS = ("```json\n", "```\n")
 
 
@@ -174,8 +174,8 @@ class HermesToolParser:
         if fenced is None:  # a code fence arriving: it may hold a call
             return False
         if fenced:
-            fence = _FENCE.match(text)
-            self._fence, self._buf = text[: fence.end()], text[fence.end():]
+            cut = len(self._buf) - len(text) + _FENCE.match(text).end()  # leading space kept
+            self._fence, self._buf = self._buf[:cut], self._buf[cut:]
             self._begin_call(bare=True)
         elif text[0] == "{" and self._names:
             self._begin_call(bare=True)
@@ -274,7 +274,9 @@ class HermesToolParser:
         self._buf = text
         if close.startswith(text):  # nothing yet, or the closing tag arriving
             return False
-        self._state, self._fence = "between", ""  # a missing closing tag is forgiven
+        if not (self._fence and text.startswith("{")):  # another call in the same fence
+            self._fence = ""
+        self._state = "between"  # a missing closing tag is forgiven
         return True
 
     def _unfinished_call(self, cut_by_length: bool) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from pypto_serving.actors.device_worker import ScheduledSeq
 from pypto_serving.kernels.attention import (
+    _sdpa_prefill,
     decode_attention,
     paged_attention,
     prefill_attention,
@@ -75,8 +76,11 @@ def test_prefill_attention_with_and_without_prefix(start: int, n: int) -> None:
     slots = context_slots(table, BLOCK, length)[0]
     write_kv(k_cache, v_cache, k, v, slots)
     q = torch.randn(n, HEADS, DIM)
-    out = prefill_attention(q, k_cache, v_cache, slots, SCALE)
-    torch.testing.assert_close(out, naive_attention(q, k, v, start), atol=1e-5, rtol=1e-5)
+    want = naive_attention(q, k, v, start)
+    # the CPU's blocked kernel, and the accelerators' SDPA variant run here on CPU tensors
+    for kernel in (prefill_attention, _sdpa_prefill):
+        out = kernel(q, k_cache, v_cache, slots, SCALE)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,7 @@ REPLIES = {
                                        Reply((), f"```json\n{NOT_A_CALL}\n```", "stop")),
     "fenced code": ("```python\nprint(1)\n```", Reply((), "```python\nprint(1)\n```", "stop")),
     "a lone fence": ("```", Reply((), "```", "stop")),
+    "two calls in one fence": (f"```json\n{PARIS}\n{ROME}\n```", Reply((weather("Paris"), weather("Rome")))),
 }
 MALFORMED = {
     "bad JSON": '<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>',

@@ -27,6 +27,7 @@ class ScriptedWorker:
     """The device worker's client interface; `script` is read when a sequence starts."""
 
     script: list[int] = []
+    fail_at: int | None = None  # the output index at which the "device" fails the step
 
     def __init__(self, cfg: WorkerConfig, on_result: Callable[[StepResult], None],
                  on_death: Callable[[str], None]):
@@ -48,6 +49,10 @@ class ScriptedWorker:
             if s.sample:
                 script, prompt_len = self._scripts[s.seq_id]
                 i = s.start_pos + len(s.token_ids) - prompt_len
+                if self.fail_at is not None and i >= self.fail_at:
+                    failed = StepResult(plan.step_id, [], [], error="scripted device failure")
+                    asyncio.get_running_loop().call_soon(self._on_result, failed)
+                    return
                 seq_ids.append(s.seq_id)
                 tokens.append(script[i] if i < len(script) else self.cfg.eos_token_id)
         asyncio.get_running_loop().call_soon(self._on_result, StepResult(plan.step_id, seq_ids, tokens))

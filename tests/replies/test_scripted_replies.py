@@ -134,3 +134,14 @@ async def test_malformed_call_is_an_error_event_after_the_headers(qwen: Scripted
     assert last == "[DONE]"
     assert "".join(deltas(events, "content")) == "Checking."
     assert r.status == 400 and body["type"] == "invalid_model_output"
+
+
+async def test_a_device_failure_inside_a_call_is_an_engine_error(qwen: ScriptedServer):
+    qwen.say("Checking." + CALL)
+    qwen.worker.fail_at = 12  # inside the call's JSON
+    async with qwen as client:
+        r = await client.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]})
+        body = await r.json()
+    assert r.status == 200 and body["choices"][0]["finish_reason"] == "error"  # text came first
+    assert body["choices"][0]["message"]["content"] == "Checking."
+    assert "tool_calls" not in body["choices"][0]["message"]

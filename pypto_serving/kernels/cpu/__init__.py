@@ -34,6 +34,9 @@ SIGNATURES = {
 }
 
 
+RETURNS_STATUS = {"decode_stack"}  # 0, or -1 when out of memory
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return Path(base) / "pypto-serving" / "kernels"
@@ -77,7 +80,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = ctypes.c_int64 if name in RETURNS_STATUS else None
     return lib
 
 

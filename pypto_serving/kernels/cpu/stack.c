@@ -47,8 +47,9 @@ static void linear(const QLinear *w, const float *x, int64_t t, float *y) {
 
 /* x [t, hidden]: the embeddings of the step's tokens (overwritten: it becomes the residual).
  * cos/sin rows [t] with row stride ld_cs; slots [t] where each token's k/v goes; ctx_slots
- * [t, max_len] and lens [t] each sequence's context. out [t, hidden]: final-normed hidden. */
-void decode_stack(const Shape *sh, const Layer *layers, int64_t t, float *x, const float *cos, const float *sin,
+ * [t, max_len] and lens [t] each sequence's context. out [t, hidden]: final-normed hidden.
+ * Returns 0, or -1 when its scratch memory cannot be allocated. */
+int64_t decode_stack(const Shape *sh, const Layer *layers, int64_t t, float *x, const float *cos, const float *sin,
                   int64_t ld_cs, const int64_t *slots, const int64_t *ctx_slots, int64_t max_len,
                   const int64_t *lens, float *out) {
     int64_t hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
@@ -56,6 +57,7 @@ void decode_stack(const Shape *sh, const Layer *layers, int64_t t, float *x, con
     size_t floats = (size_t)t * (hidden * 2 + width + attn_width + 3 * sh->intermediate) +
                     (size_t)t * sh->heads * max_len;
     float *buf = malloc(floats * sizeof(float));
+    if (!buf) return -1;
     float *normed = buf, *qkv = normed + t * hidden, *attn = qkv + t * width, *proj = attn + t * attn_width;
     float *gate_up = proj + t * hidden, *act = gate_up + t * 2 * sh->intermediate;
     float *scores = act + t * sh->intermediate;
@@ -77,4 +79,5 @@ void decode_stack(const Shape *sh, const Layer *layers, int64_t t, float *x, con
     }
     add_rms_norm(proj, residual, sh->final_norm, sh->eps, t, hidden, out);
     free(buf);
+    return 0;
 }
