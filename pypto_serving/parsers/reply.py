@@ -36,10 +36,6 @@ class ReplyFormat:
     tool_names: frozenset[str] = frozenset()
     parallel_tool_calls: bool = True
 
-    @property
-    def plain(self) -> bool:
-        return self.reasoning is None and self.tool_parser is None
-
 
 @dataclass(frozen=True, slots=True)
 class ReplyDelta:

@@ -113,4 +113,5 @@ def test_reasoning_settings_reach_the_reply_format():
     req = chat().request
     assert req.reply.reasoning is not None and req.reply.include_reasoning
     assert not chat(include_reasoning=False).request.reply.include_reasoning
-    assert chat(parsers=protocol.ModelParsers()).request.reply.plain
+    plain = chat(parsers=protocol.ModelParsers()).request.reply
+    assert plain.reasoning is None and plain.tool_parser is None
