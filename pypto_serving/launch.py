@@ -92,20 +92,15 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
     log.info(f"Prefill chunk size: {sched.long_prefill_token_threshold}")
     log.info(f"Prefix cache: {'enabled' if cfg.cache.enable_prefix_caching else 'disabled'}")
     log.info(f"Chunked prefill: {'enabled' if sched.enable_chunked_prefill else 'disabled'}")
-    log.info(f"Reasoning parser: {_parser_name(settings.parsers.reasoning)}; "
-             f"tool-call parser: {_parser_name(settings.parsers.tool_parser)}")
+    reasoning = settings.parsers.reasoning
+    log.info(f"Reasoning parser: {reasoning.name if reasoning else 'none'}; "
+             f"tool-call parser: {settings.parsers.tool_parser_name}")
     log.info(f"Endpoints: {', '.join(endpoints)}")
     if settings.profile is not None:
         log.info(f"Profiling: levels {','.join(settings.profile.levels)}, "
                  f"output {settings.profile.output}")
     log.info(f"KV cache: {engine.ready.num_blocks} blocks of {cfg.cache.block_size} tokens")
     log.info(f"Shutdown timeout: {settings.shutdown_timeout:g} s")
-
-
-def _parser_name(parser: object) -> str:
-    if parser is None:
-        return "none"
-    return getattr(parser, "name", None) or getattr(parser, "__name__", str(parser))
 
 
 async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from pypto_serving.engine import CacheConfig, EngineConfig
 from pypto_serving.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
 from pypto_serving.http.protocol import ModelParsers
 from pypto_serving.model_source import ModelSource
-from pypto_serving.parsers import reasoning_parser_for, tool_parser_for
+from pypto_serving.parsers import reasoning_parser_for, tool_parser_for, tool_parser_name
 from pypto_serving.profiling import DEFAULT_LEVELS, ProfileConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -160,4 +160,5 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
 
 def _parsers(args: argparse.Namespace, family: str) -> ModelParsers:
     return ModelParsers(reasoning_parser_for(family, args.reasoning_parser),
-                        tool_parser_for(family, args.tool_call_parser))
+                        tool_parser_for(family, args.tool_call_parser),
+                        tool_parser_name(family, args.tool_call_parser))

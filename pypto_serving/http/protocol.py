@@ -55,6 +55,7 @@ class ModelParsers:
 
     reasoning: ReasoningFormat | None = None
     tool_parser: Callable[..., ToolParser] | None = None
+    tool_parser_name: str = "none"  # as chosen (hermes and qwen are one parser)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ import torch
 
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.quant_linear import PANEL
+from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import QuantEmbedding, QuantLinear
 
@@ -100,14 +101,14 @@ class DecodeStack:
                  meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] (one per sequence) -> final hidden states [T, hidden]."""
         x = self._model.model.embed_tokens(input_ids)  # becomes the residual stream
-        rows = self._model.rope[positions]  # [T, 2, d / 2]: cos then sin
+        cos, sin = rotary_cos_sin(self._model.rope, positions, x.dtype)  # [T, 1, d / 2] views
         slots = meta.slot_mapping.contiguous()
         ctx, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
         out = torch.empty_like(x)
-        half = self._shape.head_dim // 2
-        status = self._lib.decode_stack(ctypes.byref(self._shape), self._layers, x.shape[0], x.data_ptr(),
-                               rows.data_ptr(), rows.data_ptr() + half * 4, 2 * half, slots.data_ptr(),
-                               ctx.data_ptr(), ctx.shape[1], lens.data_ptr(), out.data_ptr())
+        status = self._lib.decode_stack(
+            ctypes.byref(self._shape), self._layers, x.shape[0], x.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), cos.stride(0), slots.data_ptr(), ctx.data_ptr(), ctx.shape[1],
+            lens.data_ptr(), out.data_ptr())
         if status != 0:
             raise MemoryError(f"decode stack: no memory for the scratch of {x.shape[0]} sequences")
         return out

@@ -20,10 +20,12 @@ from pypto_serving.parsers.tool_calls import (
     ToolParser,
     new_call_id,
     tool_parser_for,
+    tool_parser_name,
 )
 
 __all__ = [
     "REASONING_PARSER_NAMES", "TOOL_PARSER_NAMES", "ContentDelta", "HermesToolParser", "ReasoningDelta",
     "ReasoningFormat", "ReasoningParser", "ThinkParser", "ToolCall", "ToolCallDelta", "ToolCallError",
     "ToolEvent", "ToolOutcome", "ToolParser", "new_call_id", "reasoning_parser_for", "tool_parser_for",
+    "tool_parser_name",
 ]

@@ -114,8 +114,6 @@ class HermesToolParser:
     """One reply's tool-call parser; see the module docstring. `tool_names` None accepts any
     name in tags and never takes bare JSON for a call."""
 
-    name = "hermes"
-
     def __init__(self, tool_names: set[str] | None = None, parallel: bool = True,
                  new_id: Callable[[], str] = new_call_id):
         self._names, self._parallel, self._new_id = tool_names, parallel, new_id
@@ -320,11 +318,16 @@ TOOL_PARSER_NAMES = ("none", *TOOL_PARSERS)
 _FAMILY_DEFAULTS = {"qwen2": "hermes", "qwen3": "hermes"}
 
 
-def tool_parser_for(family: str, name: str | None = None) -> Callable[..., ToolParser] | None:
-    """The parser class for `--tool-call-parser NAME`, or the family's default when NAME is
-    None; None means the model has no tool-call parser, so tool requests are rejected."""
+def tool_parser_name(family: str, name: str | None = None) -> str:
+    """`--tool-call-parser NAME`, or the family's default when NAME is None ("none": no parser)."""
     chosen = _FAMILY_DEFAULTS.get(family, "none") if name is None else name
     if chosen not in TOOL_PARSER_NAMES:
         raise ValueError(f"--tool-call-parser: unknown parser {chosen!r}; "
                          f"choose one of {', '.join(TOOL_PARSER_NAMES)}")
-    return TOOL_PARSERS.get(chosen)
+    return chosen
+
+
+def tool_parser_for(family: str, name: str | None = None) -> Callable[..., ToolParser] | None:
+    """The parser class `tool_parser_name` picks; None means the model has no tool-call
+    parser, so tool requests are rejected."""
+    return TOOL_PARSERS.get(tool_parser_name(family, name))

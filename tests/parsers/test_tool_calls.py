@@ -15,6 +15,7 @@ from pypto_serving.parsers.tool_calls import (
     ToolEvent,
     ToolOutcome,
     tool_parser_for,
+    tool_parser_name,
 )
 from tests.parsers.splits import every_split, random_cuts, split_at
 
@@ -178,5 +179,6 @@ def test_parser_selection_by_family_and_name():
     assert tool_parser_for("qwen2") is HermesToolParser and tool_parser_for("qwen3") is HermesToolParser
     assert tool_parser_for("llama") is None and tool_parser_for("qwen2", "none") is None
     assert tool_parser_for("llama", "qwen") is HermesToolParser
+    assert tool_parser_name("qwen2") == "hermes" and tool_parser_name("llama", "qwen") == "qwen"
     with pytest.raises(ValueError, match="--tool-call-parser.*'mistral'.*hermes"):
         tool_parser_for("llama", "mistral")
