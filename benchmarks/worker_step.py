@@ -1,8 +1,10 @@
 """Times the device worker's decode step alone (no HTTP, no pipe) on a GGUF model.
 
-    python benchmarks/worker_step.py [--model PATH] [--batch 1 16] [--steps 64] [--profile]
+    python -m benchmarks.worker_step [--model PATH] [--batch 1 16] [--steps 64]
+        [--quantization auto] [--activation-quantization int8] [--profile]
 
-Prints ms per decode step for each batch size (median over `--steps`), and with `--profile`
+Prints, for each batch size, the prefill of `batch` 128-token prompts (one step) and ms per
+decode step (median over `--steps`), and with `--profile`
 the functions where a batch-1 step spends its time (cProfile, sorted by own time). Compare
 with the serve benchmark's inter-token latency to see what the rest of the server adds.
 """
@@ -26,13 +28,14 @@ PROMPT = 128
 MAX_LEN = 1024  # the runner's max_model_len: the prompt and every step must fit
 
 
-def runner_for(path: str, max_seqs: int, quantization: str) -> ModelRunner:
+def runner_for(path: str, max_seqs: int, quantization: str, activations: str) -> ModelRunner:
     return ModelRunner(WorkerConfig(
         model_path=path, model_format="gguf", arch=arch_from_gguf(path), dtype="float32",
         kv_cache_dtype="float16" if quantization != "none" else "float32", backend="cpu",
         device="cpu", block_size=BLOCK, max_num_blocks=max_seqs * MAX_LEN // BLOCK, kv_cache_bytes=1 << 28,
         gpu_memory_utilization=0.9, max_num_seqs=max_seqs, max_model_len=MAX_LEN,
-        max_num_batched_tokens=4096, quantization=quantization))
+        max_num_batched_tokens=4096, quantization=quantization,
+        activation_quantization=activations if quantization != "none" else "none"))
 
 
 class Decoder:
@@ -69,15 +72,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
+    p.add_argument("--activation-quantization", default="int8", choices=("none", "int8"))
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     if PROMPT + args.steps >= MAX_LEN:
         p.error(f"--steps must be below {MAX_LEN - PROMPT}")
     path = args.model or str(smollm2_path())
-    runner = runner_for(path, max(args.batch), args.quantization)
+    runner = runner_for(path, max(args.batch), args.quantization, args.activation_quantization)
     first = 0
     for batch in args.batch:
+        t0 = time.perf_counter()
         dec = Decoder(runner, batch, first, args.steps)
+        prefill_s = time.perf_counter() - t0
         first += batch
         times = []
         for _ in range(args.steps):
@@ -86,8 +92,9 @@ def main() -> None:
             times.append((time.perf_counter() - t0) * 1e3)
         dec.finish()
         ms = statistics.median(times)
-        print(f"batch {batch:3d}: {ms:7.2f} ms/step (min {min(times):.2f}), "
-              f"{batch * 1e3 / ms:7.1f} tokens/s")
+        print(f"batch {batch:3d}: prefill {batch * PROMPT} tokens {prefill_s * 1e3:7.1f} ms "
+              f"({batch * PROMPT / prefill_s:6.0f} tokens/s); decode {ms:7.2f} ms/step "
+              f"(min {min(times):.2f}), {batch * 1e3 / ms:7.1f} tokens/s")
     if args.profile:
         dec = Decoder(runner, 1, first, args.steps)
         with cProfile.Profile() as prof:

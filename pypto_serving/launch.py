@@ -67,8 +67,10 @@ def _new_engine(settings: ServerSettings, tokenizer: Tokenizer) -> Engine:
 async def _start_engine(engine: Engine) -> None:
     t0 = time.monotonic()
     ready = await engine.start()
+    worker = engine.config.worker
     log.info("model loaded", seconds=round(time.monotonic() - t0, 2),
              weights_mib=ready.weight_bytes >> 20, kv_cache_mib=ready.kv_cache_bytes >> 20,
+             quantization=worker.quantization, activation_quantization=worker.activation_quantization,
              worker_pids=[w.process.pid for w in engine.workers])
 
 

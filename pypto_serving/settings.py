@@ -109,6 +109,17 @@ def _quantization(args: argparse.Namespace, backend: str) -> str:
     return "auto" if backend == "cpu" and args.dtype == "auto" else "none"
 
 
+def _activation_quantization(args: argparse.Namespace, backend: str, dtype: str, quantization: str) -> str:
+    """int8 activations go with the CPU's packed float32 matmuls: auto picks them there."""
+    packed_cpu = backend == "cpu" and dtype == "float32" and quantization != "none"
+    if args.activation_quantization == "auto":
+        return "int8" if packed_cpu else "none"
+    if args.activation_quantization == "int8" and not packed_cpu:
+        raise FlagError("--activation-quantization int8 needs packed weights on the cpu backend "
+                        "(--backend cpu, --dtype auto or float32, --quantization other than none)")
+    return args.activation_quantization
+
+
 def _kv_dtype(args: argparse.Namespace, dtype: str, quantization: str) -> str:
     """Packed weights on the CPU keep the KV cache in float16 (half the memory and reads)."""
     if args.kv_cache_dtype != "auto":
@@ -150,6 +161,7 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         log_format=args.log_format, log_level=args.log_level, quantization=quantization,
+        activation_quantization=_activation_quantization(args, backend, dtype, quantization),
     )
     engine = EngineConfig(worker, _scheduler(args), CacheConfig(block_size, args.enable_prefix_caching),
                           RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len))

@@ -44,6 +44,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     log_format: str = "console"
     log_level: str = "info"
     quantization: str = "none"  # weight-only: "none" | "int8" | "int4" | "auto" (models/quant.py)
+    activation_quantization: str = "none"  # "int8": the CPU's packed matmuls quantize their inputs
     tokenizer_json: str = ""  # HF tokenizers JSON for grammar masks; "" = no constrained decoding
     eos_token_id: int | None = None  # the EOS llguidance allows once a grammar is complete
 

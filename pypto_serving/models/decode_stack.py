@@ -7,7 +7,8 @@ pointers; the model and the caches keep the tensors alive), then runs a step of
 single-query sequences in one call. The kernels and their order are those of the per-layer
 path, so the hidden states are the same bit for bit (tests/models check it).
 Used only where that path would use the same fused kernels: packed weights whose widths fill
-whole panels, no q/k norms (Qwen3), head_dim <= 64, every row a decode row.
+whole panels, no q/k norms (Qwen3), head_dim <= 64, every row a decode row. With int8
+activations (`--activation-quantization`) the stack's linears are qdot.c's, as in that path.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("intermediate", _I), ("kv_half", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("final_norm", _P)]
+                ("intermediate", _I), ("kv_half", _I), ("int8_act", _I), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("final_norm", _P)]
 
 
 def _qlinear(m: torch.nn.Module) -> _QLinear:
@@ -62,8 +63,9 @@ class DecodeStack:
         arch = model.arch
         layers = model.model.layers
         self._kv_half = kv_caches[0][0].dtype == torch.float16
+        int8_act = layers[0].self_attn.qkv_proj.kernels.int8_activations
         self._shape = _Shape(arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
-                             arch.head_dim, arch.intermediate_size, int(self._kv_half),
+                             arch.head_dim, arch.intermediate_size, int(self._kv_half), int(int8_act),
                              layers[0].input_layernorm.eps, arch.head_dim**-0.5,
                              model.model.norm.weight.data_ptr())
         self._layers = (_Layer * len(layers))(*(
@@ -89,6 +91,7 @@ class DecodeStack:
             and arch.hidden_size % 8 == 0 and arch.intermediate_size % 8 == 0
             and isinstance(model.model.embed_tokens, QuantEmbedding)
             and all(_fills_panels(m) for m in linears)
+            and len({m.kernels.int8_activations for m in linears}) == 1
             and all(k.dtype == v.dtype and k.dtype in (torch.float16, torch.float32)
                     and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         )

@@ -78,7 +78,7 @@ class ModelRunner:
         self.kv_dtype = torch_dtype(cfg.kv_cache_dtype, auto=self.dtype)
         # The C kernels are the CPU backend's variant of the packed matmul.
         fast = cfg.backend == "cpu" and self.dtype == torch.float32
-        layers = LayerFactory(cfg.quantization, fast=fast)
+        layers = LayerFactory(cfg.quantization, fast=fast, activations=cfg.activation_quantization)
         self.model = build_model(cfg.arch, self.dtype, self.device, cfg.max_model_len, layers)
         load_weights(self.model, cfg.arch, weight_source(cfg))
         self.weight_bytes = module_bytes(self.model)

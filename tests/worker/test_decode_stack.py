@@ -23,11 +23,14 @@ def decode_logits(d: Driver, steps: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_tied"])  # qwen2: q/k/v bias
-@pytest.mark.parametrize("kv", ["float16", "float32"])
-def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str) -> None:
-    fast, _ = driver(name, quantization="int4", kv_cache_dtype=kv)
-    slow, _ = driver(name, quantization="int4", kv_cache_dtype=kv)
+@pytest.mark.parametrize(("name", "kv", "activations"), [
+    ("llama", "float16", "none"), ("llama", "float32", "none"), ("llama", "float16", "int8"),
+    ("qwen2_tied", "float16", "none"), ("qwen2_tied", "float32", "int8"),  # qwen2: q/k/v bias
+])
+def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str, activations: str) -> None:
+    config = {"quantization": "int4", "kv_cache_dtype": kv, "activation_quantization": activations}
+    fast, _ = driver(name, **config)
+    slow, _ = driver(name, **config)
     assert fast.runner.stack is not None
     slow.runner.stack = None
     calls = []

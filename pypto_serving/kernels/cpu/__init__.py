@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.c", "decoder.c", "stack.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.c", "qdot.c", "decoder.c", "stack.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "qlinear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P],
+    "qlinear_q8": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P],
     "qgather": [_P, _I, _I, _P, _P, _P, _I, _P],
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "silu_and_mul": [_P, _I, _I, _P],
@@ -34,7 +35,7 @@ SIGNATURES = {
 }
 
 
-RETURNS_STATUS = {"decode_stack"}  # 0, or -1 when out of memory
+RETURNS_STATUS = {"decode_stack", "qlinear_q8"}  # 0, or -1 when out of memory
 
 
 def _cache_dir() -> Path:

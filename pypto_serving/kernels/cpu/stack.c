@@ -11,6 +11,8 @@
 
 void qlinear(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
              const uint16_t *z, int64_t bits, const float *bias, float *y);
+int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
+                   const uint16_t *z, int64_t bits, const float *bias, float *y);
 void add_rms_norm(const float *x, float *residual, const float *weight, float eps, int64_t t, int64_t d,
                   float *out);
 void silu_and_mul(const float *gate_up, int64_t t, int64_t n, float *out);
@@ -37,12 +39,16 @@ typedef struct {
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, kv_half;
+    int64_t int8_act; /* the linears quantize their inputs to int8 (qdot.c) */
     float eps, scale;
     const float *final_norm;
 } Shape;
 
-static void linear(const QLinear *w, const float *x, int64_t t, float *y) {
+/* Returns nonzero when out of memory. */
+static int64_t linear(const Shape *sh, const QLinear *w, const float *x, int64_t t, float *y) {
+    if (sh->int8_act) return qlinear_q8(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y);
     qlinear(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y);
+    return 0;
 }
 
 /* x [t, hidden]: the embeddings of the step's tokens (overwritten: it becomes the residual).
@@ -62,22 +68,23 @@ int64_t decode_stack(const Shape *sh, const Layer *layers, int64_t t, float *x, 
     float *gate_up = proj + t * hidden, *act = gate_up + t * 2 * sh->intermediate;
     float *scores = act + t * sh->intermediate;
     float *residual = x;
+    int64_t failed = 0;
     for (int64_t l = 0; l < sh->layers; l++) {
         const Layer *L = layers + l;
         /* layer 0 normalizes the embeddings; later layers add the last MLP output first */
         add_rms_norm(l ? proj : NULL, residual, L->input_norm, sh->eps, t, hidden, normed);
-        linear(&L->qkv, normed, t, qkv);
+        if ((failed = linear(sh, &L->qkv, normed, t, qkv))) break;
         rope_write_kv(qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, slots, L->k_cache, L->v_cache,
                       sh->kv_half);
         decode_attention(qkv, width, t, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, ctx_slots, max_len,
                          lens, sh->scale, scores, attn, sh->kv_half);
-        linear(&L->o, attn, t, proj);
+        if ((failed = linear(sh, &L->o, attn, t, proj))) break;
         add_rms_norm(proj, residual, L->post_norm, sh->eps, t, hidden, normed);
-        linear(&L->gate_up, normed, t, gate_up);
+        if ((failed = linear(sh, &L->gate_up, normed, t, gate_up))) break;
         silu_and_mul(gate_up, t, sh->intermediate, act);
-        linear(&L->down, act, t, proj);
+        if ((failed = linear(sh, &L->down, act, t, proj))) break;
     }
-    add_rms_norm(proj, residual, sh->final_norm, sh->eps, t, hidden, out);
+    if (!failed) add_rms_norm(proj, residual, sh->final_norm, sh->eps, t, hidden, out);
     free(buf);
-    return 0;
+    return failed ? -1 : 0;
 }
