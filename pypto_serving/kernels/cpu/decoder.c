@@ -35,6 +35,13 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* [sum of v[0], ..., sum of v[7]] */
+static inline __m256 hsum8x8(const __m256 *v) {
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 /* residual += x (when x is given), out = rms_norm(residual) * weight; d % 8 == 0. */
 void add_rms_norm(const float *x, float *residual, const float *weight, float eps, int64_t t, int64_t d,
                   float *out) {
@@ -130,15 +137,29 @@ INLINE_LOAD void attend_head(const float *q, const void *k_cache, const void *v_
                              int64_t n, int64_t kv_stride, int64_t d, float scale, float *scores, float *out,
                              const int half) {
     float mx = -INFINITY;
-    for (int64_t l = 0; l < n; l++) {
+    int64_t l = 0;
+    /* 8 keys at a time: 8 independent fma chains, then one transposing sum (a single chain
+     * per key would wait on the fma latency at every step) */
+    for (; l + 8 <= n; l += 8) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 8) {
+            __m256 qj = _mm256_loadu_ps(q + j);
+            for (int u = 0; u < 8; u++)
+                acc[u] = _mm256_fmadd_ps(qj, load_kv(k_cache, slots[l + u] * kv_stride + j, half), acc[u]);
+        }
+        __m256 s = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));
+        _mm256_storeu_ps(scores + l, s);
+    }
+    for (; l < n; l++) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t j = 0; j < d; j += 8)
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load_kv(k_cache, slots[l] * kv_stride + j, half), acc);
         scores[l] = hsum8(acc) * scale;
-        mx = scores[l] > mx ? scores[l] : mx;
     }
+    for (l = 0; l < n; l++) mx = scores[l] > mx ? scores[l] : mx;
     __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
-    int64_t l = 0;
+    l = 0;
     for (; l + 8 <= n; l += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + l), vmx));
         _mm256_storeu_ps(scores + l, e);
