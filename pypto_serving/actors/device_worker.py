@@ -164,12 +164,20 @@ def _build_runner(cfg: WorkerConfig) -> object:
     return ModelRunner(cfg)
 
 
+IDLE_AFTER_S = 1.0  # a worker this long without a step plan counts as idle
+
+
 def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
            profiler: WorkerProfiler) -> None:
     decoder = msgspec.msgpack.Decoder(StepPlan | Shutdown | StartProfile | StopProfile)
+    idle = True
     while True:
         try:
+            if not idle and not conn.poll(IDLE_AFTER_S):
+                runner.idle()  # no step for a while: hand back what the last ones kept
+                idle = True
             msg = decoder.decode(conn.recv_bytes())
+            idle = idle and not isinstance(msg, StepPlan)
         except (EOFError, OSError):  # the parent is gone: leave no orphan behind
             return
         match msg:

@@ -35,6 +35,8 @@ from pypto_serving.worker.memory import (
     accelerator_kv_budget,
     module_bytes,
     release_freed_memory,
+    reuse_freed_memory,
+    trim_freed_memory,
 )
 from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.sampler_state import sampling_tensors
@@ -90,6 +92,13 @@ class ModelRunner:
         self.kv_caches = self._allocate(self.num_blocks)
         # Decode steps in one C call where the per-layer path would use the C kernels anyway.
         self.stack = DecodeStack.build(self.model, self.kv_caches) if fast else None
+        if self.device.type == "cpu":
+            reuse_freed_memory()
+
+    def idle(self) -> None:
+        """Called when no step came for a while: the heap's free pages go back to the OS."""
+        if self.device.type == "cpu":
+            trim_freed_memory()
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.execute_with_logits(plan)[0]
