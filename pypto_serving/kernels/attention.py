@@ -7,6 +7,7 @@ over its whole context, causal within the chunk. The metadata is built once per 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,21 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q [T, heads, head_dim] attends to the cached context of its sequence -> [T, heads, d]."""
+    """q [T, heads, head_dim] attends to the cached context of its sequence -> [T, heads, d].
+
+    `decode` (q rows of the single-query sequences -> their output) replaces the portable
+    decode attention, so a backend can give decode rows one kernel in every kind of step."""
+    if decode is None:
+        def decode(dq: torch.Tensor) -> torch.Tensor:
+            return decode_attention(dq, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
+
     if meta.all_decode:
-        return decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
+        return decode(q)
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
-        dq = q[meta.decode_rows]
-        dout = decode_attention(dq, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
-        out[meta.decode_rows] = dout
+        out[meta.decode_rows] = decode(q[meta.decode_rows])
     for seg in meta.prefills:
         out[seg.start : seg.end] = prefill_attention(
             q[seg.start : seg.end], k_cache, v_cache, seg.ctx_slots, scale
@@ -109,9 +116,10 @@ def prefill_attention(
         qb = q[s:e].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         scores = torch.matmul(qb.reshape(kv_heads, group * rows, head_dim), keys[:, :, :seen])
         scores = scores.view(kv_heads, group, rows, seen).float().mul_(scale)
-        query_pos = torch.arange(start + s, start + e, device=q.device).unsqueeze(1)
-        future = torch.arange(seen, device=q.device) > query_pos  # [rows, seen]
-        probs = scores.masked_fill_(future, float("-inf")).softmax(dim=-1).to(q.dtype)
+        # only the block's own columns (its square on the diagonal) hold future keys
+        future = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+        scores[..., seen - rows :].masked_fill_(future, float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)
         block = torch.matmul(probs.view(kv_heads, group * rows, seen), values[:, :seen])
         block = block.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
         out[s:e] = block.reshape(rows, heads, head_dim)

@@ -48,3 +48,22 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str,
 def test_no_stack_where_it_does_not_fit(driver) -> None:
     assert driver("llama")[0].runner.stack is None  # exact fp32 weights
     assert driver("qwen3", quantization="int4")[0].runner.stack is None  # q/k norms
+
+
+@pytest.mark.parametrize("activations", ["none", "int8"])
+def test_decode_rows_of_mixed_steps_equal_decode_only_steps(driver, activations: str) -> None:
+    """A sequence decoding next to another's prefill chunk (per-layer path) gets the logits it
+    gets in a decode-only step (the stack): with int8 activations a last-bit difference in
+    attention would flip roundings and change greedy text under load."""
+    config = {"quantization": "int4", "activation_quantization": activations}
+    alone, _ = driver("llama", **config)
+    mixed, _ = driver("llama", **config)
+    want, got = [], []
+    for d, out, joins in ((alone, want, False), (mixed, got, True)):
+        d.step([d.add(0, PROMPTS[0], len(PROMPTS[0]))])
+        for step in range(4):
+            seqs = [d.next(0)]
+            if joins:  # another request's prefill in the same step, in chunks of 5 tokens
+                seqs.append(d.add(1 + step, PROMPTS[2], 5))
+            out.append(d.step(seqs)[1][0])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
