@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from pypto_serving.loader.arch import ModelArch, RopeScaling
 from pypto_serving.loader.errors import UnsupportedModel
 from pypto_serving.loader.gguf_reader import GGUFFile, read_gguf
 
-if TYPE_CHECKING:  # torch is heavy: the API process reads model shapes without it
+if TYPE_CHECKING:  # torch and numpy are heavy: the API process reads model shapes without them
+    import numpy as np
     import torch
 
 __all__ = ["UnsupportedModel", "arch_from_gguf", "load_gguf_tensors"]
@@ -117,7 +117,19 @@ class _MetadataKeys:
         if value is None:
             raise UnsupportedModel(f"GGUF metadata lacks {self.arch}.{key}")
         # Stored as float32: 1e-5 reads back as 9.99999974e-06. Keep the value the author wrote.
-        return float(str(np.float32(value)))
+        return _shortest_float32(float(value))
+
+
+def _shortest_float32(value: float) -> float:
+    """The shortest decimal that reads back as the same float32 (9.99999974e-06 -> 1e-05)."""
+    def f32(x: float) -> float:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+
+    stored = f32(value)
+    for digits in range(1, 10):  # 9 significant digits always round-trip a float32
+        if f32(short := float(f"{stored:.{digits}g}")) == stored:
+            return short
+    return stored
 
 
 def _vocab_size(gguf: GGUFFile, key: _MetadataKeys) -> int:
@@ -141,6 +153,8 @@ def _rope_scaling(gguf: GGUFFile, key: _MetadataKeys) -> RopeScaling | None:
 def _llama3_scaling(gguf: GGUFFile, key: _MetadataKeys) -> RopeScaling:
     """llama.cpp stores Llama-3 scaling only as its per-frequency factors (`rope_freqs`);
     we accept them when Llama-3's usual parameters reproduce them exactly."""
+    import numpy as np
+
     stored = gguf.dequantize("rope_freqs.weight")
     head_dim = stored.size * 2
     theta = key.as_float("rope.freq_base", 10000.0)
@@ -152,6 +166,8 @@ def _llama3_scaling(gguf: GGUFFile, key: _MetadataKeys) -> RopeScaling:
 
 def _llama3_factors(s: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
     """The per-frequency divisors llama.cpp's converter derives from Llama-3 rope_scaling."""
+    import numpy as np
+
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     factors = []
@@ -188,6 +204,8 @@ def _unpermute_rotary(name: str, values: np.ndarray, arch: ModelArch) -> np.ndar
         heads = arch.num_kv_heads
     else:
         return values
+    import numpy as np
+
     rows = values.shape[0]
     per_head = values.reshape(heads, rows // heads // 2, 2, *values.shape[1:])
     return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(values.shape)

@@ -93,6 +93,7 @@ class ModelRunner:
         # Decode steps in one C call where the per-layer path would use the C kernels anyway.
         self.stack = DecodeStack.build(self.model, self.kv_caches) if fast else None
         if self.device.type == "cpu":
+            trim_freed_memory()  # what loading freed below the mmap threshold
             reuse_freed_memory()
 
     def idle(self) -> None:
