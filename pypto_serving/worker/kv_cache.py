@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from pypto_serving.loader.arch import ModelArch
@@ -40,8 +40,10 @@ def allocate_kv_cache(
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros from calloc: the OS maps zero pages on first touch, so the cache costs resident
-    memory only as blocks are used (torch.zeros writes every byte up front)."""
+    """Zeros in an anonymous mapping: the OS maps zero pages on first touch, so the cache
+    costs resident memory only as blocks are used (torch.zeros writes every byte up front).
+    Not numpy's calloc: numpy asks for transparent huge pages on large arrays, and then the
+    first token written to a layer's cache made 2 MiB of it resident at once."""
     count = math.prod(shape) * dtype.itemsize
-    raw = torch.from_numpy(np.zeros(count, dtype=np.uint8))
+    raw = torch.frombuffer(mmap.mmap(-1, count), dtype=torch.uint8)  # the tensor keeps the map
     return raw.view(dtype).view(shape)

@@ -82,3 +82,29 @@ def test_an_idle_worker_trims_once_after_its_last_step(monkeypatch) -> None:
     device_worker._serve(conn, runner, msgspec.msgpack.Encoder(), WorkerProfiler("test", "cpu"))
     assert runner.calls == ["step", "step", "idle"]  # not before the first plan, not twice
     assert len(conn.sent) == 2
+
+
+def test_a_token_in_the_cpu_kv_cache_costs_its_bytes_not_a_huge_page() -> None:
+    """The cache is lazily zeroed: writing one token to every layer's k and v makes a few
+    pages resident, not a 2 MiB transparent huge page per layer (numpy's calloc asked for
+    those, and the first prompt made ~30 MiB of SmolLM2's cache resident)."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import torch
+        from pypto_serving.loader.arch import ModelArch
+        from pypto_serving.worker.kv_cache import allocate_kv_cache
+        def anon():
+            return int(open("/proc/self/status").read().split("RssAnon:")[1].split()[0])
+        arch = ModelArch("llama", vocab_size=256, hidden_size=576, intermediate_size=1536,
+                         num_layers=16, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                         rope_theta=1e4, max_position_embeddings=1024, tie_word_embeddings=True,
+                         attention_bias=False, qk_norm=False)
+        caches = allocate_kv_cache(arch, 2048, 16, torch.float16, torch.device("cpu"))
+        before = anon()
+        for k, v in caches:
+            k[1024, 0].fill_(1.0)  # mid-cache: inside a 2 MiB-aligned range
+            v[1024, 0].fill_(1.0)
+        print(anon() - before, sum(t.sum().item() for kv in caches for t in kv))
+    """)], capture_output=True, text=True, check=True)
+    grown_kib, total = out.stdout.split()
+    assert float(total) == 2 * 16 * 3 * 64  # the rest reads as zeros
+    assert int(grown_kib) < 2048  # 32 tensors x 4 KiB pages, not 32 x 2 MiB
