@@ -92,6 +92,7 @@ class ModelRunner:
         self.kv_caches = self._allocate(self.num_blocks)
         # Decode steps in one C call where the per-layer path would use the C kernels anyway.
         self.stack = DecodeStack.build(self.model, self.kv_caches) if fast else None
+        self._prefilled = False  # the last step had prefill rows (large activations)
         if self.device.type == "cpu":
             trim_freed_memory()  # what loading freed below the mmap threshold
             reuse_freed_memory()
@@ -100,6 +101,14 @@ class ModelRunner:
         """Called when no step came for a while: the heap's free pages go back to the OS."""
         if self.device.type == "cpu":
             trim_freed_memory()
+
+    def _after_prefill(self, decode_only: bool) -> None:
+        """The first decode-only step after prefill steps returns the heap the prefill
+        activations left (kept between prefill steps so they do not page-fault afresh): the
+        KV cache grows during decoding, and the two would otherwise add up."""
+        if decode_only and self._prefilled and self.device.type == "cpu":
+            trim_freed_memory()
+        self._prefilled = not decode_only
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.execute_with_logits(plan)[0]
@@ -113,6 +122,7 @@ class ModelRunner:
         if not plan.seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.cfg.arch.vocab_size)
         batch = prepare(plan.seqs, states, self.cfg.block_size, self.device)
+        self._after_prefill(batch.attn.all_decode)
         logits = self._forward(batch, self.kv_caches)
         sampled = [st for s, st in zip(plan.seqs, states, strict=True) if s.sample]
         if not sampled:

@@ -108,3 +108,17 @@ def test_a_token_in_the_cpu_kv_cache_costs_its_bytes_not_a_huge_page() -> None:
     grown_kib, total = out.stdout.split()
     assert float(total) == 2 * 16 * 3 * 64  # the rest reads as zeros
     assert int(grown_kib) < 2048  # 32 tensors x 4 KiB pages, not 32 x 2 MiB
+
+
+def test_the_heap_is_trimmed_once_when_prefilling_gives_way_to_decoding(driver, monkeypatch) -> None:
+    from pypto_serving.worker import model_runner
+
+    d, _ = driver("llama", quantization="int4")
+    trims = []
+    monkeypatch.setattr(model_runner, "trim_freed_memory", lambda: trims.append(d.step_id))
+    d.step([d.add(0, [5, 6, 7, 8, 9], 5)])  # prefill
+    d.step([d.next(0)])  # decode: the prefill's heap goes back
+    d.step([d.next(0)])  # decode again: nothing to give back
+    d.step([d.next(0), d.add(1, [3, 4, 5], 3)])  # mixed: a prefill
+    d.step([d.next(0), d.next(1)])
+    assert trims == [2, 5]  # during the second and the fifth step (step_id counts steps begun)
