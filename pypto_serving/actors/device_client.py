@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
-import multiprocess
 import structlog
+from multiprocess.connection import Connection
 
 from pypto_serving.actors.device_worker import (
     ProfileStopped,
@@ -27,7 +30,6 @@ from pypto_serving.actors.device_worker import (
     WorkerConfig,
     WorkerFailed,
     WorkerReady,
-    worker_main,
 )
 
 log = structlog.get_logger()
@@ -52,33 +54,50 @@ class DeviceWorkerClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StepResult | ProfileStopped)
         self._conn = None
-        self.process = None
+        self.process: subprocess.Popen | None = None
+        self._sentinel: int | None = None  # a pidfd: readable once the process has exited
         self._stopping = False
         self._gone = False
         self._profile_reply: asyncio.Future | None = None
 
     async def start(self) -> WorkerReady:
-        ctx = multiprocess.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        config = self._encoder.encode(self.cfg)
-        self.process = ctx.Process(target=worker_main, args=(child, config), daemon=True,
-                                   name=f"device-worker-{self.cfg.device}")
-        self.process.start()
-        # The worker ignores SIGTERM, which multiprocess's own exit hook relies on; this hook
-        # runs before that one, so an exit that skipped stop() cannot hang on the worker.
+        ours, theirs = socket.socketpair()
+        self._conn = Connection(ours.detach())
+        child = theirs.detach()
+        # The child finds this very package, wherever the server was started from.
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pypto_serving.actors.worker_process", str(child)],
+                pass_fds=(child,), env=env)
+        finally:
+            os.close(child)
+        # The worker ignores SIGTERM; an exit that skipped stop() must not leave it behind.
         atexit.register(self.kill)
-        child.close()
+        self._sentinel = os.pidfd_open(self.process.pid)
+        self._conn.send_bytes(self._encoder.encode(self.cfg))
         ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
         loop = asyncio.get_running_loop()
         loop.add_reader(self._conn.fileno(), self._readable)
-        loop.add_reader(self.process.sentinel, self._exited)
+        loop.add_reader(self._sentinel, self._exited)
         return ready
+
+    def _alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def _join(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
     def _handshake(self) -> WorkerReady:
         try:
             data = self._conn.recv_bytes()
         except EOFError:
-            raise WorkerStartError(f"device worker exited with code {self.process.exitcode} "
+            self._join(5)
+            raise WorkerStartError(f"device worker exited with code {self.process.returncode} "
                                    "before it was ready") from None
         msg = msgspec.msgpack.decode(data, type=WorkerReady | WorkerFailed)
         if isinstance(msg, WorkerFailed):
@@ -135,28 +154,29 @@ class DeviceWorkerClient:
         self._answer_profile([])
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._conn.fileno())
-        loop.remove_reader(self.process.sentinel)
+        loop.remove_reader(self._sentinel)
+        os.close(self._sentinel)
         if not self._stopping:
-            self.process.join(0.1)
-            self._on_death(f"device worker {self.cfg.device} died (exit code {self.process.exitcode})")
+            self._join(0.1)
+            self._on_death(f"device worker {self.cfg.device} died (exit code {self.process.returncode})")
 
     def kill(self) -> None:
         """At once, without waiting (a second shutdown signal)."""
-        if self.process is not None and self.process.is_alive():
-            os.kill(self.process.pid, signal.SIGKILL)
+        if self._alive():
+            self.process.kill()
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Asks the worker to exit, then makes sure it did."""
         self._stopping = True
-        if self.process is None or not self.process.is_alive():
+        if not self._alive():
             return
         try:
             self._conn.send_bytes(self._encoder.encode(Shutdown()))
         except OSError:
             pass
         deadline = time.monotonic() + timeout
-        while self.process.is_alive() and time.monotonic() < deadline:
+        while self._alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.process.is_alive():
+        if self._alive():
             self.kill()
-        self.process.join(1)
+        self._join(1)

@@ -57,3 +57,9 @@ def test_a_second_signal_exits_at_once():
         assert server.proc.wait(30) == 128 + signal.SIGINT
         assert_all_gone(procs)
         assert "second signal: exiting now" in server.output()
+
+
+def test_the_server_runs_its_worker_and_no_other_process(server: ServerProcess):
+    """No multiprocess resource tracker (a ~17 MiB interpreter guarding semaphores and shared
+    memory the worker never uses) beside the one device worker."""
+    assert [p.pid for p in children(server.proc.pid)] == [worker_process(server.proc.pid).pid]
