@@ -75,12 +75,13 @@ class DeviceWorkerClient:
             os.close(child)
         # The worker ignores SIGTERM; an exit that skipped stop() must not leave it behind.
         atexit.register(self.kill)
-        self._sentinel = os.pidfd_open(self.process.pid)
+        self._sentinel = _pidfd(self.process.pid)
         self._conn.send_bytes(self._encoder.encode(self.cfg))
         ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
         loop = asyncio.get_running_loop()
         loop.add_reader(self._conn.fileno(), self._readable)
-        loop.add_reader(self._sentinel, self._exited)
+        if self._sentinel is not None:
+            loop.add_reader(self._sentinel, self._exited)
         return ready
 
     def _alive(self) -> bool:
@@ -154,8 +155,9 @@ class DeviceWorkerClient:
         self._answer_profile([])
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._conn.fileno())
-        loop.remove_reader(self._sentinel)
-        os.close(self._sentinel)
+        if self._sentinel is not None:
+            loop.remove_reader(self._sentinel)
+            os.close(self._sentinel)
         if not self._stopping:
             self._join(0.1)
             self._on_death(f"device worker {self.cfg.device} died (exit code {self.process.returncode})")
@@ -180,3 +182,12 @@ class DeviceWorkerClient:
         if self._alive():
             self.kill()
         self._join(1)
+
+
+def _pidfd(pid: int) -> int | None:
+    """An fd that turns readable when the process exits (Linux 5.3+). Without one, the
+    worker's death still shows as the end of its socket."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
