@@ -73,3 +73,27 @@ def test_attend_matches_portable(fast, chunks: list[tuple[int, int]], kv_dtype: 
     torch.testing.assert_close(got, expected, **CLOSE)
     for a, b in zip(fast_kv, kv, strict=True):
         torch.testing.assert_close(a, b, **CLOSE)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: a last value chunk of 8, not 16
+def test_decode_attention_rows_do_not_depend_on_the_batch(kv_dtype: torch.dtype, head_dim: int) -> None:
+    """Bit for bit: a sequence alone (one task per query head) and among 16 (one task per kv
+    head's group of query heads, keys and values read once for the group)."""
+    from pypto_serving.kernels.cpu.decoder import decode_attention_cpu
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, width = 16, 6, 2, 40
+    k, v = (torch.randn(batch * width // BLOCK, BLOCK, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
+    slots = torch.arange(batch * width).view(batch, width)
+    lens = torch.tensor([width - 3 * (i % 7) for i in range(batch)])  # some not a multiple of 8
+    q = torch.randn(batch, heads, head_dim)
+    together = decode_attention_cpu(q, k, v, slots, lens, 0.125)
+    alone = torch.cat([decode_attention_cpu(q[i : i + 1], k, v, slots[i : i + 1], lens[i : i + 1], 0.125)
+                       for i in range(batch)])
+    assert torch.equal(together, alone)
+    for i in range(batch):  # and right: plain softmax attention over the sequence's context
+        keys, values = (t.view(-1, kv_heads, head_dim)[slots[i, : lens[i]]].float()
+                        .repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[i], keys) * 0.125, -1)
+        torch.testing.assert_close(together[i], torch.einsum("hl,lhd->hd", probs, values), **CLOSE)

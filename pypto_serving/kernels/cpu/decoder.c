@@ -5,6 +5,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -132,54 +133,95 @@ void rope_write_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64
     }
 }
 
-/* One query head over a context of n slots: out [d] = softmax(q . k * scale) @ v. */
-INLINE_LOAD void attend_head(const float *q, const void *k_cache, const void *v_cache, const int64_t *slots,
-                             int64_t n, int64_t kv_stride, int64_t d, float scale, float *scores, float *out,
-                             const int half) {
+/* Softmax of s [n] in place, unnormalized: returns the sum to divide by. */
+static inline float softmax_in_place(float *s, int64_t n) {
     float mx = -INFINITY;
-    int64_t l = 0;
-    /* 8 keys at a time: 8 independent fma chains, then one transposing sum (a single chain
-     * per key would wait on the fma latency at every step) */
-    for (; l + 8 <= n; l += 8) {
-        __m256 acc[8];
-        for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < d; j += 8) {
-            __m256 qj = _mm256_loadu_ps(q + j);
-            for (int u = 0; u < 8; u++)
-                acc[u] = _mm256_fmadd_ps(qj, load_kv(k_cache, slots[l + u] * kv_stride + j, half), acc[u]);
-        }
-        __m256 s = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));
-        _mm256_storeu_ps(scores + l, s);
-    }
-    for (; l < n; l++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < d; j += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load_kv(k_cache, slots[l] * kv_stride + j, half), acc);
-        scores[l] = hsum8(acc) * scale;
-    }
-    for (l = 0; l < n; l++) mx = scores[l] > mx ? scores[l] : mx;
+    for (int64_t l = 0; l < n; l++) mx = s[l] > mx ? s[l] : mx;
     __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
-    l = 0;
+    int64_t l = 0;
     for (; l + 8 <= n; l += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + l), vmx));
-        _mm256_storeu_ps(scores + l, e);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), vmx));
+        _mm256_storeu_ps(s + l, e);
         vsum = _mm256_add_ps(vsum, e);
     }
     float sum = hsum8(vsum);
     for (; l < n; l++) {
-        scores[l] = expf(scores[l] - mx);
-        sum += scores[l];
+        s[l] = expf(s[l] - mx);
+        sum += s[l];
     }
-    __m256 acc[8];
-    int64_t vecs = d / 8;
-    for (int64_t j = 0; j < vecs; j++) acc[j] = _mm256_setzero_ps();
-    for (l = 0; l < n; l++) {
-        __m256 p = _mm256_set1_ps(scores[l]);
-        for (int64_t j = 0; j < vecs; j++)
-            acc[j] = _mm256_fmadd_ps(p, load_kv(v_cache, slots[l] * kv_stride + j * 8, half), acc[j]);
+    return sum;
+}
+
+/* out[h][j0 .. j0 + 16) for c (<= 3, a constant after inlining) heads: sum over the context
+ * of p[h][l] * v[l], one fma chain per element in context order. */
+INLINE_LOAD void weigh_values(const float *p, int64_t ld_p, const int c, const void *v_cache, const int64_t *slots,
+                              int64_t n, int64_t kv_stride, int64_t j0, const int two, const float *inv,
+                              float *out, int64_t d, const int half) {
+    __m256 acc[3][2];
+    for (int h = 0; h < c; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < n; l++) {
+        __m256 v0 = load_kv(v_cache, slots[l] * kv_stride + j0, half);
+        __m256 v1 = two ? load_kv(v_cache, slots[l] * kv_stride + j0 + 8, half) : v0;
+        for (int h = 0; h < c; h++) {
+            __m256 ph = _mm256_set1_ps(p[h * ld_p + l]);
+            acc[h][0] = _mm256_fmadd_ps(ph, v0, acc[h][0]);
+            if (two) acc[h][1] = _mm256_fmadd_ps(ph, v1, acc[h][1]);
+        }
     }
-    __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int64_t j = 0; j < vecs; j++) _mm256_storeu_ps(out + j * 8, _mm256_mul_ps(acc[j], inv));
+    for (int h = 0; h < c; h++) {
+        __m256 s = _mm256_set1_ps(inv[h]);
+        _mm256_storeu_ps(out + h * d + j0, _mm256_mul_ps(acc[h][0], s));
+        if (two) _mm256_storeu_ps(out + h * d + j0 + 8, _mm256_mul_ps(acc[h][1], s));
+    }
+}
+
+/* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context
+ * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch.
+ * A block of 8 keys is converted to float once for all g heads, a value vector once per 3
+ * heads. Per head, the arithmetic and its order do not depend on g: grouping heads never
+ * changes a result. */
+INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, const void *v_cache,
+                              const int64_t *slots, int64_t n, int64_t kv_stride, int64_t d, float scale,
+                              float *scores, int64_t ld_scores, float *out, const int half) {
+    float kb[8 * 64] __attribute__((aligned(32)));
+    int64_t l = 0;
+    /* 8 keys at a time: 8 independent fma chains, then one transposing sum (a single chain
+     * per key would wait on the fma latency at every step) */
+    for (; l + 8 <= n; l += 8) {
+        for (int u = 0; u < 8; u++)
+            for (int64_t j = 0; j < d; j += 8)
+                _mm256_store_ps(kb + u * 64 + j, load_kv(k_cache, slots[l + u] * kv_stride + j, half));
+        for (int64_t h = 0; h < g; h++) {
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < d; j += 8) {
+                __m256 qj = _mm256_loadu_ps(q + h * d + j);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qj, _mm256_load_ps(kb + u * 64 + j), acc[u]);
+            }
+            _mm256_storeu_ps(scores + h * ld_scores + l, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+        }
+    }
+    for (; l < n; l++)
+        for (int64_t h = 0; h < g; h++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = 0; j < d; j += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + j), load_kv(k_cache, slots[l] * kv_stride + j, half),
+                                      acc);
+            scores[h * ld_scores + l] = hsum8(acc) * scale;
+        }
+    float inv[g];
+    for (int64_t h = 0; h < g; h++) inv[h] = 1.0f / softmax_in_place(scores + h * ld_scores, n);
+    for (int64_t h = 0; h < g; h += 3) {
+        const float *p = scores + h * ld_scores;
+        for (int64_t j0 = 0; j0 < d; j0 += 16) {
+            int two = j0 + 8 < d;
+            switch (g - h < 3 ? g - h : 3) {
+            case 1: weigh_values(p, ld_scores, 1, v_cache, slots, n, kv_stride, j0, two, inv + h, out + h * d, d, half); break;
+            case 2: weigh_values(p, ld_scores, 2, v_cache, slots, n, kv_stride, j0, two, inv + h, out + h * d, d, half); break;
+            default: weigh_values(p, ld_scores, 3, v_cache, slots, n, kv_stride, j0, two, inv + h, out + h * d, d, half);
+            }
+        }
+    }
 }
 
 /* One query per sequence: q rows [b] (row stride ldq, heads * d used), slots [b, max_len]
@@ -189,14 +231,20 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
                       const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
                       const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half) {
     int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4;
-#pragma omp parallel for schedule(dynamic) collapse(2)
-    for (int64_t i = 0; i < b; i++)
-        for (int64_t h = 0; h < heads; h++) {
-            const char *k = (const char *)k_cache + (h / group) * d * esize;
-            const char *v = (const char *)v_cache + (h / group) * d * esize;
-            const float *qh = q + i * ldq + h * d;
-            float *sc = scores + (i * heads + h) * max_len, *o = out + i * heads * d + h * d;
-            if (kv_half) attend_head(qh, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, o, 1);
-            else attend_head(qh, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, o, 0);
-        }
+    /* A task: a kv head's whole group of query heads once there are enough groups to share
+     * out (its keys and values are read once for all of them), else a single head. */
+    int64_t per_task = b * kv_heads >= 4 * omp_get_max_threads() ? group : 1;
+    int64_t tasks_per_seq = heads / per_task;
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t task = 0; task < b * tasks_per_seq; task++) {
+        int64_t i = task / tasks_per_seq, h = task % tasks_per_seq * per_task;
+        const char *k = (const char *)k_cache + (h / group) * d * esize;
+        const char *v = (const char *)v_cache + (h / group) * d * esize;
+        const float *qh = q + i * ldq + h * d;
+        float *sc = scores + (i * heads + h) * max_len, *o = out + i * heads * d + h * d;
+        if (kv_half)
+            attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, max_len, o, 1);
+        else
+            attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, max_len, o, 0);
+    }
 }
