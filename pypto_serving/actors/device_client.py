@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 import structlog
@@ -64,25 +63,35 @@ class DeviceWorkerClient:
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
         child = theirs.detach()
-        # The child finds this very package, wherever the server was started from.
-        root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        # The child imports exactly what this process would: its sys.path, and (-P) no
+        # current directory in front of it.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "pypto_serving.actors.worker_process", str(child)],
-                pass_fds=(child,), env=env)
+                [sys.executable, "-P", "-m", "pypto_serving.actors.worker_process", str(child)],
+                pass_fds=(child,), env=env, stdin=subprocess.DEVNULL)
         finally:
             os.close(child)
         # The worker ignores SIGTERM; an exit that skipped stop() must not leave it behind.
         atexit.register(self.kill)
         self._sentinel = _pidfd(self.process.pid)
-        self._conn.send_bytes(self._encoder.encode(self.cfg))
-        ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
+        try:
+            ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
+        except WorkerStartError:
+            self._close()
+            raise
         loop = asyncio.get_running_loop()
         loop.add_reader(self._conn.fileno(), self._readable)
         if self._sentinel is not None:
             loop.add_reader(self._sentinel, self._exited)
         return ready
+
+    def _close(self) -> None:
+        """The pipe and the pidfd of a worker that is gone."""
+        self._conn.close()
+        if self._sentinel is not None:
+            os.close(self._sentinel)
+            self._sentinel = None
 
     def _alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -94,14 +103,18 @@ class DeviceWorkerClient:
             pass
 
     def _handshake(self) -> WorkerReady:
+        """Sends the config (megabytes with a tokenizer: it blocks until the worker reads it,
+        hence here, off the event loop) and waits for the worker to load the model."""
         try:
+            self._conn.send_bytes(self._encoder.encode(self.cfg))
             data = self._conn.recv_bytes()
-        except EOFError:
+        except (EOFError, OSError):
             self._join(5)
             raise WorkerStartError(f"device worker exited with code {self.process.returncode} "
                                    "before it was ready") from None
         msg = msgspec.msgpack.decode(data, type=WorkerReady | WorkerFailed)
         if isinstance(msg, WorkerFailed):
+            self._join(5)
             raise WorkerStartError(msg.message)
         return msg
 
@@ -158,6 +171,7 @@ class DeviceWorkerClient:
         if self._sentinel is not None:
             loop.remove_reader(self._sentinel)
             os.close(self._sentinel)
+            self._sentinel = None
         if not self._stopping:
             self._join(0.1)
             self._on_death(f"device worker {self.cfg.device} died (exit code {self.process.returncode})")

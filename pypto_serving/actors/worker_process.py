@@ -8,6 +8,7 @@ server's lifetime), which guards semaphores and shared memory that the worker ne
 
 from __future__ import annotations
 
+import os
 import sys
 
 from multiprocess.connection import Connection
@@ -16,7 +17,9 @@ from pypto_serving.actors.device_worker import worker_main
 
 
 def main() -> None:
-    conn = Connection(int(sys.argv[1]))
+    fd = int(sys.argv[1])
+    os.set_inheritable(fd, False)  # a process the worker starts must not keep the pipe open
+    conn = Connection(fd)
     try:
         config = conn.recv_bytes()
     except EOFError:  # the server went away before sending the config

@@ -45,5 +45,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     Not numpy's calloc: numpy asks for transparent huge pages on large arrays, and then the
     first token written to a layer's cache made 2 MiB of it resident at once."""
     count = math.prod(shape) * dtype.itemsize
-    raw = torch.frombuffer(mmap.mmap(-1, count), dtype=torch.uint8)  # the tensor keeps the map
+    pages = mmap.mmap(-1, count, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pages.madvise(mmap.MADV_NOHUGEPAGE)  # even where THP is "always"
+    raw = torch.frombuffer(pages, dtype=torch.uint8)  # the tensor keeps the map alive
     return raw.view(dtype).view(shape)

@@ -6,6 +6,7 @@ execute(plan) = drop finished -> update sequence states -> prepare -> forward ->
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import torch
@@ -42,6 +43,7 @@ from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
 
+TRIM_INTERVAL_S = 2.0  # the heap goes back to the OS at most this often while serving
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -93,6 +95,7 @@ class ModelRunner:
         # Decode steps in one C call where the per-layer path would use the C kernels anyway.
         self.stack = DecodeStack.build(self.model, self.kv_caches) if fast else None
         self._prefilled = False  # the last step had prefill rows (large activations)
+        self._trimmed_at = float("-inf")
         if self.device.type == "cpu":
             trim_freed_memory()  # what loading freed below the mmap threshold
             reuse_freed_memory()
@@ -105,9 +108,13 @@ class ModelRunner:
     def _after_prefill(self, decode_only: bool) -> None:
         """The first decode-only step after prefill steps returns the heap the prefill
         activations left (kept between prefill steps so they do not page-fault afresh): the
-        KV cache grows during decoding, and the two would otherwise add up."""
-        if decode_only and self._prefilled and self.device.type == "cpu":
+        KV cache grows during decoding, and the two would otherwise add up. At most every
+        TRIM_INTERVAL_S, so steady arrivals do not page-fault every prefill afresh."""
+        now = time.monotonic()
+        if (decode_only and self._prefilled and self.device.type == "cpu"
+                and now - self._trimmed_at >= TRIM_INTERVAL_S):
             trim_freed_memory()
+            self._trimmed_at = now
         self._prefilled = not decode_only
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.e2e.server import free_port
+
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pypto_serving", *args], capture_output=True,
@@ -67,3 +69,13 @@ def test_packaged_qwen_coder_by_short_name():
                   "--max-model-len", "256", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "return a + b" in out.stdout, out.stdout
+
+
+def test_a_worker_that_cannot_start_is_one_error_line():
+    """The worker fails after loading (no KV block fits): the server says why and exits 1,
+    with no traceback and no process left behind."""
+    out = run_cli("--kv-cache-memory", "1KiB", "--port", str(free_port()))
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [errors[0]] and "device worker could not start" in errors[0], out.stderr
+    assert "KV cache budget" in errors[0] and "Traceback" not in out.stderr

@@ -150,8 +150,8 @@ def test_int8_activation_kernel_computes_the_quantized_product(bits: int, m: int
 def test_int8_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q8
 
-    packed, _ = pack(torch.randn(64, 2048), bits)
-    x = torch.randn(40, 2048)
+    packed, _ = pack(torch.randn(64, 4096), bits)
+    x = torch.randn(40, 4096)  # over one pass of rows (30 at this k)
     together = quant_linear_cpu_q8(x, packed)
     alone = torch.cat([quant_linear_cpu_q8(x[i : i + 1], packed) for i in range(40)])
     fives = torch.cat([quant_linear_cpu_q8(x[i : i + 5], packed) for i in range(0, 40, 5)])

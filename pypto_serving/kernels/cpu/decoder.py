@@ -61,6 +61,8 @@ def decode_attention_cpu(
 ) -> torch.Tensor:
     """q [b, heads, d] (rows may be strided), slots [b, L] padded, lens [b] -> [b, heads, d]."""
     b, heads, d = q.shape
+    if d > 64 or d % 8:
+        raise ValueError(f"decode_attention_cpu takes head_dim <= 64 and a multiple of 8, got {d}")
     slots, lens = slots.contiguous(), lens.contiguous()  # slots is often a cut of wider block rows
     out = torch.empty(b, heads, d)
     scores = torch.empty(b * heads * slots.shape[1])
