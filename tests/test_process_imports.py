@@ -9,10 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-from pypto_serving.packaged_models import PackagedModelMissing, smollm2_path
-
 HEAVY = ("numpy", "gguf", "torch", "sympy")
 
 
@@ -22,15 +18,7 @@ def imported_after(code: str) -> list[str]:
     return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own probe's list
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> str:
-    try:
-        return str(smollm2_path())
-    except PackagedModelMissing as exc:
-        pytest.skip(str(exc))
-
-
-def test_the_api_process_reads_a_gguf_model_without_heavy_imports(smollm2: str) -> None:
+def test_the_api_process_reads_a_gguf_model_without_heavy_imports(smollm2_gguf: str) -> None:
     assert imported_after("""
         from pypto_serving.model_source import resolve_model
         from pypto_serving.tokenizer.tokenizer import Tokenizer
