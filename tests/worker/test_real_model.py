@@ -8,20 +8,11 @@ import torch
 from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan, WorkerConfig
 from pypto_serving.kernels import cpu
 from pypto_serving.loader.gguf_file import arch_from_gguf
-from pypto_serving.packaged_models import PackagedModelMissing, smollm2_path
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.worker.model_runner import ModelRunner
 
 PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> str:
-    try:
-        return str(smollm2_path())
-    except PackagedModelMissing as exc:
-        pytest.skip(str(exc))
 
 
 def make_runner(path: str, quantization: str = "none", activations: str = "none") -> ModelRunner:
@@ -59,30 +50,30 @@ def transformers_tokens(hf_smollm2) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
-def test_smollm2_greedy_tokens_equal_transformers(smollm2: str, transformers_tokens: list[int]) -> None:
-    assert runner_greedy(smollm2, NEW_TOKENS) == transformers_tokens
+def test_smollm2_greedy_tokens_equal_transformers(smollm2_gguf: str, transformers_tokens: list[int]) -> None:
+    assert runner_greedy(smollm2_gguf, NEW_TOKENS) == transformers_tokens
 
 
 def test_packed_smollm2_greedy_tokens_equal_transformers(
-    smollm2: str, transformers_tokens: list[int]
+    smollm2_gguf: str, transformers_tokens: list[int]
 ) -> None:
     """Q4_1 linears packed losslessly to int4, the Q8_0 embedding to int8, float32
     activations: only the order of additions differs from the fp32 path."""
-    assert runner_greedy(smollm2, NEW_TOKENS, quantization="auto") == transformers_tokens
+    assert runner_greedy(smollm2_gguf, NEW_TOKENS, quantization="auto") == transformers_tokens
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
-def test_int8_activations_stay_close_to_transformers(smollm2: str, hf_smollm2,
+def test_int8_activations_stay_close_to_transformers(smollm2_gguf: str, hf_smollm2,
                                                      transformers_tokens: list[int]) -> None:
     """The server's CPU default quantizes matmul inputs to int8 (as llama.cpp does): greedy
     text still follows transformers here, and along that text the next-token logits move by
     ~1% of their spread on average (measured: mean |diff| 0.2-0.55 for a spread of ~30), with
     the same top token at every position checked."""
-    assert runner_greedy(smollm2, NEW_TOKENS, "auto", "int8") == transformers_tokens
+    assert runner_greedy(smollm2_gguf, NEW_TOKENS, "auto", "int8") == transformers_tokens
     text = PROMPT + transformers_tokens
     with torch.no_grad():
         want = hf_smollm2(torch.tensor([text])).logits[0]
-    fast = make_runner(smollm2, "auto", "int8")
+    fast = make_runner(smollm2_gguf, "auto", "int8")
     for end in range(len(PROMPT), len(text), 4):
         tokens, got = prefill(fast, text[:end])
         ref = want[end - 1]
