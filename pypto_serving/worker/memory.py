@@ -59,8 +59,8 @@ def reuse_freed_memory() -> None:
     With every block over 1 MiB mapped and unmapped on its own (or the heap's top trimmed
     after each step), each prefill step page-faulted its activations in afresh: a quarter of
     a 2048-token prefill went to the kernel zeroing pages. Blocks up to 32 MiB now stay in
-    the heap and the heap is not trimmed while the worker is busy; `trim_freed_memory`
-    hands it back once the worker is idle.
+    the heap and glibc never trims it by itself; the model runner calls `trim_freed_memory`
+    when prefilling gives way to decoding and when the worker goes idle.
     """
     if libc := _glibc():
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
@@ -68,6 +68,6 @@ def reuse_freed_memory() -> None:
 
 
 def trim_freed_memory() -> None:
-    """Returns the heap's free pages to the OS (when no sequence is left on the worker)."""
+    """Returns the heap's free pages to the OS (after loading, after prefill steps, when idle)."""
     if libc := _glibc():
         libc.malloc_trim(0)
