@@ -43,14 +43,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    prefill: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [T, heads, head_dim] attends to the cached context of its sequence -> [T, heads, d].
 
-    `decode` (q rows of the single-query sequences -> their output) replaces the portable
-    decode attention, so a backend can give decode rows one kernel in every kind of step."""
+    `decode` (q rows of the single-query sequences -> their output) and `prefill` (a chunk's
+    q rows and its context slots -> their output) replace the portable kernels, so a backend
+    can give each kind of row one kernel in every kind of step."""
     if decode is None:
         def decode(dq: torch.Tensor) -> torch.Tensor:
             return decode_attention(dq, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
+    if prefill is None:
+        def prefill(pq: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
+            return prefill_attention(pq, k_cache, v_cache, ctx_slots, scale)
 
     if meta.all_decode:
         return decode(q)
@@ -58,9 +63,7 @@ def paged_attention(
     if meta.decode_rows is not None:
         out[meta.decode_rows] = decode(q[meta.decode_rows])
     for seg in meta.prefills:
-        out[seg.start : seg.end] = prefill_attention(
-            q[seg.start : seg.end], k_cache, v_cache, seg.ctx_slots, scale
-        )
+        out[seg.start : seg.end] = prefill(q[seg.start : seg.end], seg.ctx_slots)
     return out
 
 

@@ -69,23 +69,31 @@ def _fp32(fast: Callable, portable: Callable) -> Callable:
 def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary, kv: KVCache,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The fused rotary + KV write when q, k, v are the fused projection's views and the cache
-    is float32 or float16; the fused decode attention for every decode row, in decode-only
-    and mixed steps alike (with int8 activations a last-bit difference between two kernels
-    can flip a rounding, so a sequence must see one kernel whatever it is batched with)."""
-    from pypto_serving.kernels.cpu.decoder import decode_attention_cpu, rope_write_kv_cpu
+    is float32 or float16; the C attention for every row, decode and prefill, in every kind of
+    step (with int8 activations a last-bit difference between two kernels can flip a
+    rounding, so a token must see one kernel whatever it is batched with or chunked into)."""
+    from pypto_serving.kernels.cpu.decoder import (
+        decode_attention_cpu,
+        prefill_attention_cpu,
+        rope_write_kv_cpu,
+    )
 
     if not _fused_qkv(q, k, v, kv, rotary):
         return attend(q, k, v, rotary, kv, meta, scale)
     width = (q.shape[1] + 2 * k.shape[1]) * q.shape[2]
     qkv = torch.as_strided(q, (q.shape[0], width), (width, 1))
     rope_write_kv_cpu(qkv, q.shape[1], k.shape[1], *rotary, meta.slot_mapping, *kv)
-    if meta.decode_lens is None or q.shape[2] > 64:
+    if q.shape[2] > 64:  # the C attention keeps 8 keys of at most 64 floats on the stack
         return paged_attention(q, kv[0], kv[1], meta, scale)
 
     def decode(dq: torch.Tensor) -> torch.Tensor:
         return decode_attention_cpu(dq, kv[0], kv[1], meta.decode_slots, meta.decode_lens, scale)
 
-    return paged_attention(q, kv[0], kv[1], meta, scale, decode)
+    def prefill(pq: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
+        return prefill_attention_cpu(pq, kv[0], kv[1], ctx_slots, scale)
+
+    decode_kernel = decode if meta.decode_lens is not None else None
+    return paged_attention(q, kv[0], kv[1], meta, scale, decode_kernel, prefill)
 
 
 def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, rotary: Rotary) -> bool:

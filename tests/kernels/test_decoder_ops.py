@@ -57,10 +57,11 @@ def attend_with(ops, qkv: torch.Tensor, rotary, meta, kv) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("chunks", [
-    [(0, 9), (0, 3)],  # prefills: fused rotary + KV write, portable attention
+    [(0, 9), (0, 3)],  # prefills: fused rotary + KV write, C prefill attention
+    [(5, 11)],  # a chunk after cached tokens
     [(8, 1), (3, 1), (13, 1)],  # all decode: fused attention over padded contexts
     [(10, 1)],  # one row: its views' row stride is arbitrary
-    [(8, 1), (0, 6), (5, 1)],  # mixed
+    [(8, 1), (0, 6), (5, 1), (2, 7)],  # mixed
 ])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_attend_matches_portable(fast, chunks: list[tuple[int, int]], kv_dtype: torch.dtype) -> None:
@@ -98,3 +99,29 @@ def test_decode_attention_rows_do_not_depend_on_the_batch(kv_dtype: torch.dtype,
                         .repeat_interleave(heads // kv_heads, 1) for t in (k, v))
         probs = torch.softmax(torch.einsum("hd,lhd->hl", q[i], keys) * 0.125, -1)
         torch.testing.assert_close(together[i], torch.einsum("hl,lhd->hd", probs, values), **CLOSE)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_prefill_attention_rows_are_decode_rows_however_the_prompt_is_chunked(kv_dtype, head_dim) -> None:
+    """Bit for bit: a prompt's attention prefilled whole, in two chunks, or token by token as
+    decode steps; so a prompt gives the same tokens alone, chunked under load, or batched."""
+    from pypto_serving.kernels.cpu.decoder import decode_attention_cpu, prefill_attention_cpu
+
+    torch.manual_seed(1)
+    heads, kv_heads, n = 6, 2, 45
+    k, v = (torch.randn(64 // BLOCK, BLOCK, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
+    slots = torch.randperm(64)[:n]  # a context scattered over the cache
+    q = torch.randn(n, heads, head_dim)
+    whole = prefill_attention_cpu(q, k, v, slots, 0.125)
+    chunked = torch.cat([prefill_attention_cpu(q[:20], k, v, slots[:20], 0.125),
+                         prefill_attention_cpu(q[20:], k, v, slots, 0.125)])
+    assert torch.equal(whole, chunked)
+    decoded = torch.cat([decode_attention_cpu(q[i : i + 1], k, v, slots[None], torch.tensor([i + 1]), 0.125)
+                         for i in range(n)])
+    assert torch.equal(whole, decoded)
+    for i in (0, 7, n - 1):  # and right: causal softmax attention
+        keys, values = (t.view(-1, kv_heads, head_dim)[slots[: i + 1]].float()
+                        .repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[i], keys) * 0.125, -1)
+        torch.testing.assert_close(whole[i], torch.einsum("hl,lhd->hd", probs, values), **CLOSE)

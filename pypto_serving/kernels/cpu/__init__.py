@@ -31,11 +31,12 @@ SIGNATURES = {
     "silu_and_mul": [_P, _I, _I, _P],
     "rope_write_kv": [_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I],
     "decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P, _P, _I],
+    "prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _P, _I],
     "decode_stack": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P],
 }
 
 
-RETURNS_STATUS = {"decode_stack", "qlinear_q8"}  # 0, or -1 when out of memory
+RETURNS_STATUS = {"decode_stack", "qlinear_q8", "prefill_attention"}  # 0, or -1 when out of memory
 
 
 def _cache_dir() -> Path:

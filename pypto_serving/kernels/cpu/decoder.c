@@ -7,6 +7,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define INLINE_LOAD static inline __attribute__((always_inline))
@@ -247,4 +248,37 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
         else
             attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, max_len, o, 0);
     }
+}
+
+/* A prefill chunk of one sequence: q rows [n_q] (row stride ldq) at positions start .. start +
+ * n_q - 1, where start = n_ctx - n_q; ctx_slots [n_ctx]; row i attends to keys 0 .. start + i.
+ * Each row is decode_attention's arithmetic over its own context, so a token's attention never
+ * depends on how its prompt was cut into chunks or what it was batched with. out [n_q, heads, d].
+ * Returns 0, or -1 when a thread's scores buffer cannot be allocated. */
+int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t heads, int64_t kv_heads, int64_t d,
+                          const void *k_cache, const void *v_cache, const int64_t *ctx_slots, int64_t n_ctx,
+                          float scale, float *out, int64_t kv_half) {
+    int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, start = n_ctx - n_q;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scores = malloc((size_t)group * n_ctx * sizeof(float));
+        if (!scores) failed = 1;
+        /* longest rows first: dynamic scheduling then ends with the short ones */
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < n_q * kv_heads; task++) {
+            int64_t i = n_q - 1 - task / kv_heads, h = task % kv_heads * group;
+            if (!scores) continue;
+            const char *k = (const char *)k_cache + (h / group) * d * esize;
+            const char *v = (const char *)v_cache + (h / group) * d * esize;
+            const float *qh = q + i * ldq + h * d;
+            float *o = out + (i * heads + h) * d;
+            if (kv_half)
+                attend_heads(qh, group, k, v, ctx_slots, start + i + 1, kv_heads * d, d, scale, scores, n_ctx, o, 1);
+            else
+                attend_heads(qh, group, k, v, ctx_slots, start + i + 1, kv_heads * d, d, scale, scores, n_ctx, o, 0);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
 }

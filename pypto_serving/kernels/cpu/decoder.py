@@ -70,3 +70,23 @@ def decode_attention_cpu(
                                v_cache.data_ptr(), slots.data_ptr(), slots.shape[1], lens.data_ptr(), scale,
                                scores.data_ptr(), out.data_ptr(), k_cache.dtype == torch.float16)
     return out
+
+
+def prefill_attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx_slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One prefill chunk: q [n, heads, d] (rows may be strided), the last n of its context
+    slots [L] -> [n, heads, d], causal; each row exactly as `decode_attention_cpu` gives it."""
+    n, heads, d = q.shape
+    if d > 64 or d % 8:
+        raise ValueError(f"prefill_attention_cpu takes head_dim <= 64 and a multiple of 8, got {d}")
+    if q.stride()[1:] != (d, 1):
+        q = q.contiguous()
+    ctx_slots = ctx_slots.contiguous()
+    out = torch.empty(n, heads, d)
+    if n and library().prefill_attention(
+        q.data_ptr(), q.stride(0), n, heads, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
+        ctx_slots.data_ptr(), ctx_slots.shape[0], scale, out.data_ptr(), k_cache.dtype == torch.float16,
+    ):
+        raise MemoryError(f"prefill attention: no memory for scores over {ctx_slots.shape[0]} positions")
+    return out
