@@ -13,6 +13,7 @@ The main-process side (start, pipe, death detection) is actors/device_client.py.
 
 from __future__ import annotations
 
+import gc
 import signal
 
 import msgspec
@@ -153,6 +154,11 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
     except Exception as exc:  # reported to the parent, which exits with the message
         conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
         return
+    # What loading made (modules, the model) lives as long as the process: out of the cyclic
+    # collector's sight, a full collection during a step walks only what steps made (it took
+    # ~3% of a prefill's time walking torch's and the model's objects).
+    gc.collect()
+    gc.freeze()
     conn.send_bytes(encoder.encode(
         WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes)))
     _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device}", cfg.backend))

@@ -150,3 +150,21 @@ def test_heap_trims_are_spaced_out(driver, monkeypatch) -> None:
     """Steady arrivals switch between prefill and decode all the time: trimming at every
     switch would page-fault every prefill's activations afresh."""
     assert trims_in_five_steps(driver, monkeypatch, interval=60.0) == [2]
+
+
+def test_what_loading_made_is_out_of_the_collectors_sight(monkeypatch) -> None:
+    """Full collections during steps walk only what steps made, not the loaded model."""
+    import gc
+    from types import SimpleNamespace
+
+    class Loaded(Runner):
+        num_blocks, weight_bytes, kv_cache_bytes = 1, 0, 0
+
+    monkeypatch.setattr(device_worker, "_build_runner", lambda cfg: Loaded())
+    conn = FakeConn([(0.0, Shutdown())])
+    try:
+        device_worker._run(conn, SimpleNamespace(device="cpu", backend="cpu"))
+        assert gc.get_freeze_count() > 1000  # this process's modules and objects
+    finally:
+        gc.unfreeze()
+    assert msgspec.msgpack.decode(conn.sent[0])["type"] == "WorkerReady"
