@@ -176,6 +176,18 @@ INLINE_LOAD void weigh_values(const float *p, int64_t ld_p, const int c, const v
     }
 }
 
+#define PREFETCH_KEYS 16
+
+/* Brings k and v at element `index` (d of them) towards the cache. */
+INLINE_LOAD void prefetch_vector(const void *k_cache, const void *v_cache, int64_t index, int64_t d, const int half) {
+    int64_t esize = half ? 2 : 4;
+    const char *k = (const char *)k_cache + index * esize, *v = (const char *)v_cache + index * esize;
+    for (int64_t b = 0; b < d * esize; b += 64) {
+        _mm_prefetch(k + b, _MM_HINT_T0);
+        _mm_prefetch(v + b, _MM_HINT_T0);
+    }
+}
+
 /* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context
  * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch.
  * A block of 8 keys is converted to float once for all g heads, a value vector once per 3
@@ -189,6 +201,10 @@ INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, co
     /* 8 keys at a time: 8 independent fma chains, then one transposing sum (a single chain
      * per key would wait on the fma latency at every step) */
     for (; l + 8 <= n; l += 8) {
+        /* A sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the
+         * trail at every block: fetch the keys and values PREFETCH_KEYS ahead by hand. */
+        for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++)
+            prefetch_vector(k_cache, v_cache, slots[u] * kv_stride, d, half);
         for (int u = 0; u < 8; u++)
             for (int64_t j = 0; j < d; j += 8)
                 _mm256_store_ps(kb + u * 64 + j, load_kv(k_cache, slots[l + u] * kv_stride + j, half));
