@@ -70,8 +70,13 @@ async def _start_engine(engine: Engine) -> None:
     worker = engine.config.worker
     log.info("model loaded", seconds=round(time.monotonic() - t0, 2),
              weights_mib=ready.weight_bytes >> 20, kv_cache_mib=ready.kv_cache_bytes >> 20,
-             quantization=worker.quantization, activation_quantization=worker.activation_quantization,
+             quantization=worker.quantization, kernels=ready.kernels,
+             activation_quantization=ready.activation_quantization,
              worker_pids=[w.process.pid for w in engine.workers])
+    if worker.activation_quantization != ready.activation_quantization:
+        log.warning("the CPU's C kernels cannot run here (they need AVX2, FMA and F16C and a C "
+                    "compiler): packed matmuls run the portable kernels with float32 activations",
+                    requested_activation_quantization=worker.activation_quantization)
 
 
 def _profiler(settings: ServerSettings, engine: Engine) -> Profiler | None:

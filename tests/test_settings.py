@@ -37,3 +37,41 @@ def test_activation_quantization_follows_the_weights(smollm2, flags, weights, ac
 def test_int8_activations_without_packed_weights_are_refused(smollm2) -> None:
     with pytest.raises(FlagError, match="--activation-quantization int8"):
         worker(smollm2, "--quantization", "none", "--activation-quantization", "int8")
+
+
+@pytest.mark.parametrize(("c_kernels", "expected"), [(True, ("c", "int8")), (False, ("portable", "none"))])
+def test_the_worker_reports_the_kernels_it_really_runs(monkeypatch, c_kernels, expected) -> None:
+    from pypto_serving.kernels import cpu
+    from pypto_serving.models.quant import LayerFactory
+
+    monkeypatch.setattr(cpu, "available", lambda: c_kernels)
+    assert LayerFactory("auto", fast=True, activations="int8").effective_kernels() == expected
+    assert LayerFactory("none", fast=True).effective_kernels() == ("portable", "none")
+
+
+@pytest.mark.parametrize("kernels", ["c", "portable"])
+def test_the_startup_log_says_what_the_worker_runs(kernels) -> None:
+    """Asked for int8 activations where the C kernels cannot run: the log says so."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from structlog.testing import capture_logs
+
+    from pypto_serving.actors.device_worker import WorkerReady
+    from pypto_serving.launch import _start_engine
+
+    ready = WorkerReady(8, 1 << 20, 1 << 20, kernels, "int8" if kernels == "c" else "none")
+
+    async def start() -> WorkerReady:
+        return ready
+
+    engine = SimpleNamespace(start=start, workers=[SimpleNamespace(process=SimpleNamespace(pid=7))],
+                             config=SimpleNamespace(worker=SimpleNamespace(
+                                 quantization="auto", activation_quantization="int8")))
+    with capture_logs() as logs:
+        asyncio.run(_start_engine(engine))
+    loaded = next(e for e in logs if e["event"] == "model loaded")
+    assert (loaded["kernels"], loaded["activation_quantization"]) == (kernels, ready.activation_quantization)
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == (kernels == "portable")
+    assert all("float32 activations" in e["event"] for e in warnings)

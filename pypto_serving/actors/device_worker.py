@@ -122,6 +122,10 @@ class WorkerReady(msgspec.Struct, frozen=True, tag=True):
     num_blocks: int
     weight_bytes: int
     kv_cache_bytes: int
+    # what the matmuls really run: "c" (kernels/cpu, built on this machine) or "portable",
+    # and "int8" only where the C kernels quantize the activations
+    kernels: str = "portable"
+    activation_quantization: str = "none"
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True):
@@ -160,7 +164,8 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
     gc.collect()
     gc.freeze()
     conn.send_bytes(encoder.encode(
-        WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes)))
+        WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes, runner.kernels,
+                    runner.activation_quantization)))
     _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device}", cfg.backend))
 
 

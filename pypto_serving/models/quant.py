@@ -140,6 +140,15 @@ class LayerFactory:
     def _kernels(self) -> QuantKernels:
         return quant_kernels(self.fast, self.activations == "int8")
 
+    def effective_kernels(self) -> tuple[str, str]:
+        """("c" or "portable", "int8" or "none"): what the packed matmuls will really run; the
+        C kernels need an AVX2/FMA/F16C CPU and a C compiler, else the portable ones run."""
+        if self.quantization == "none":
+            return "portable", "none"
+        kernels = self._kernels()
+        c = kernels.matmul is not portable.quant_linear
+        return ("c" if c else "portable"), ("int8" if kernels.int8_activations else "none")
+
     def linear(self, in_features: int, out_features: int, bias: bool = False,
                head: bool = False) -> nn.Module:
         if self.quantization == "none" or not can_pack(out_features, in_features):

@@ -83,6 +83,7 @@ class ModelRunner:
         # The C kernels are the CPU backend's variant of the packed matmul.
         fast = cfg.backend == "cpu" and self.dtype == torch.float32
         layers = LayerFactory(cfg.quantization, fast=fast, activations=cfg.activation_quantization)
+        self.kernels, self.activation_quantization = layers.effective_kernels()
         self.model = build_model(cfg.arch, self.dtype, self.device, cfg.max_model_len, layers)
         load_weights(self.model, cfg.arch, weight_source(cfg))
         self.weight_bytes = module_bytes(self.model)

@@ -158,7 +158,7 @@ def test_what_loading_made_is_out_of_the_collectors_sight(monkeypatch) -> None:
     from types import SimpleNamespace
 
     class Loaded(Runner):
-        num_blocks, weight_bytes, kv_cache_bytes = 1, 0, 0
+        num_blocks, weight_bytes, kv_cache_bytes, kernels, activation_quantization = 1, 0, 0, "c", "none"
 
     monkeypatch.setattr(device_worker, "_build_runner", lambda cfg: Loaded())
     conn = FakeConn([(0.0, Shutdown())])
