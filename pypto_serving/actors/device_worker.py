@@ -160,7 +160,9 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
         return
     # What loading made (modules, the model) lives as long as the process: out of the cyclic
     # collector's sight, a full collection during a step walks only what steps made (it took
-    # ~3% of a prefill's time walking torch's and the model's objects).
+    # ~3% of a prefill's time walking torch's and the model's objects). The price: a frozen
+    # object that later becomes cyclic garbage is never freed; the runner keeps its model,
+    # caches and kernels for the process's life, so only load-time leftovers could be.
     gc.collect()
     gc.freeze()
     conn.send_bytes(encoder.encode(

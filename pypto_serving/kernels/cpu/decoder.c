@@ -1,5 +1,6 @@
-/* The small per-layer kernels of a decode step, fused, for x86-64 with AVX2 + FMA: at batch 1
- * a layer is ~60 tiny torch ops whose dispatch costs more than their arithmetic.
+/* The small per-layer kernels of a decoder layer, fused, for x86-64 with AVX2 + FMA: at batch
+ * 1 a layer is ~60 tiny torch ops whose dispatch costs more than their arithmetic. Also the
+ * paged attention of decode and prefill rows, one routine for both.
  * All float32, row-major; every row (token, or sequence for attention) is computed on its
  * own, so results do not depend on the batch.
  */
@@ -186,6 +187,8 @@ INLINE_LOAD void prefetch_vector(const void *k_cache, const void *v_cache, int64
         _mm_prefetch(k + b, _MM_HINT_T0);
         _mm_prefetch(v + b, _MM_HINT_T0);
     }
+    _mm_prefetch(k + d * esize - 1, _MM_HINT_T0); /* the last line, when the vector straddles one */
+    _mm_prefetch(v + d * esize - 1, _MM_HINT_T0);
 }
 
 /* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context

@@ -63,6 +63,7 @@ def decode_attention_cpu(
     b, heads, d = q.shape
     if d > 64 or d % 8:
         raise ValueError(f"decode_attention_cpu takes head_dim <= 64 and a multiple of 8, got {d}")
+    _check_cache(k_cache, v_cache, d)
     slots, lens = slots.contiguous(), lens.contiguous()  # slots is often a cut of wider block rows
     out = torch.empty(b, heads, d)
     scores = torch.empty(b * heads * slots.shape[1])
@@ -80,6 +81,9 @@ def prefill_attention_cpu(
     n, heads, d = q.shape
     if d > 64 or d % 8:
         raise ValueError(f"prefill_attention_cpu takes head_dim <= 64 and a multiple of 8, got {d}")
+    _check_cache(k_cache, v_cache, d)
+    if ctx_slots.dtype != torch.int64 or ctx_slots.shape[0] < n:
+        raise ValueError(f"prefill_attention_cpu needs int64 context slots for at least the chunk's {n} rows")
     if q.stride()[1:] != (d, 1):
         q = q.contiguous()
     ctx_slots = ctx_slots.contiguous()
@@ -90,3 +94,12 @@ def prefill_attention_cpu(
     ):
         raise MemoryError(f"prefill attention: no memory for scores over {ctx_slots.shape[0]} positions")
     return out
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> None:
+    """The C attention reads contiguous float32 or float16 caches [..., kv_heads, d]."""
+    for cache in (k_cache, v_cache):
+        usable = cache.dtype in (torch.float32, torch.float16) and cache.is_contiguous()
+        if not usable or cache.shape[-1] != d:
+            raise ValueError("the C attention takes contiguous float32 or float16 KV caches of the queries' "
+                             f"head_dim, got {cache.dtype} {tuple(cache.shape)}")
