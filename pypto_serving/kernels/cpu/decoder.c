@@ -191,37 +191,40 @@ INLINE_LOAD void prefetch_vector(const void *k_cache, const void *v_cache, int64
     _mm_prefetch(v + d * esize - 1, _MM_HINT_T0);
 }
 
-/* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context
- * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch.
- * A block of 8 keys is converted to float once for all g heads, a value vector once per 3
- * heads. Per head, the arithmetic and its order do not depend on g: grouping heads never
- * changes a result. */
-INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, const void *v_cache,
+/* Keys l .. l + 7 as float, kb[u * 64 + j]; the keys and values PREFETCH_KEYS further on are
+ * fetched by hand (a sequence's blocks lie anywhere in the cache, so the hardware prefetcher
+ * loses the trail at every block). */
+INLINE_LOAD void load_keys8(float *kb, const void *k_cache, const void *v_cache, const int64_t *slots, int64_t l,
+                            int64_t n, int64_t kv_stride, int64_t d, const int half) {
+    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++)
+        prefetch_vector(k_cache, v_cache, slots[u] * kv_stride, d, half);
+    for (int u = 0; u < 8; u++)
+        for (int64_t j = 0; j < d; j += 8)
+            _mm256_store_ps(kb + u * 64 + j, load_kv(k_cache, slots[l + u] * kv_stride + j, half));
+}
+
+/* Scores of heads q[0 .. g) against the 8 keys in kb, into scores[h][l .. l + 7]: 8
+ * independent fma chains, then one transposing sum (a single chain per key would wait on the
+ * fma latency at every step). */
+INLINE_LOAD void score_keys8(const float *q, int64_t g, const float *kb, int64_t d, float scale, float *scores,
+                             int64_t ld_scores, int64_t l) {
+    for (int64_t h = 0; h < g; h++) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 8) {
+            __m256 qj = _mm256_loadu_ps(q + h * d + j);
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qj, _mm256_load_ps(kb + u * 64 + j), acc[u]);
+        }
+        _mm256_storeu_ps(scores + h * ld_scores + l, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+    }
+}
+
+/* The rest of attention over n keys once the scores of every whole block of 8 keys are in:
+ * the last n % 8 scores (one chain each), softmax, and out[h] = p[h] @ v. */
+INLINE_LOAD void finish_heads(const float *q, int64_t g, const void *k_cache, const void *v_cache,
                               const int64_t *slots, int64_t n, int64_t kv_stride, int64_t d, float scale,
                               float *scores, int64_t ld_scores, float *out, const int half) {
-    float kb[8 * 64] __attribute__((aligned(32)));
-    int64_t l = 0;
-    /* 8 keys at a time: 8 independent fma chains, then one transposing sum (a single chain
-     * per key would wait on the fma latency at every step) */
-    for (; l + 8 <= n; l += 8) {
-        /* A sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the
-         * trail at every block: fetch the keys and values PREFETCH_KEYS ahead by hand. */
-        for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++)
-            prefetch_vector(k_cache, v_cache, slots[u] * kv_stride, d, half);
-        for (int u = 0; u < 8; u++)
-            for (int64_t j = 0; j < d; j += 8)
-                _mm256_store_ps(kb + u * 64 + j, load_kv(k_cache, slots[l + u] * kv_stride + j, half));
-        for (int64_t h = 0; h < g; h++) {
-            __m256 acc[8];
-            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < d; j += 8) {
-                __m256 qj = _mm256_loadu_ps(q + h * d + j);
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qj, _mm256_load_ps(kb + u * 64 + j), acc[u]);
-            }
-            _mm256_storeu_ps(scores + h * ld_scores + l, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
-        }
-    }
-    for (; l < n; l++)
+    for (int64_t l = n / 8 * 8; l < n; l++)
         for (int64_t h = 0; h < g; h++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t j = 0; j < d; j += 8)
@@ -242,6 +245,40 @@ INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, co
             }
         }
     }
+}
+
+/* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context
+ * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch.
+ * A block of 8 keys is converted to float once for all g heads, a value vector once per 3
+ * heads. Per head, the arithmetic and its order depend only on its query and its n keys:
+ * neither grouping heads nor `attend_rows`'s tiling changes a result. */
+INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, const void *v_cache,
+                              const int64_t *slots, int64_t n, int64_t kv_stride, int64_t d, float scale,
+                              float *scores, int64_t ld_scores, float *out, const int half) {
+    float kb[8 * 64] __attribute__((aligned(32)));
+    for (int64_t l = 0; l + 8 <= n; l += 8) {
+        load_keys8(kb, k_cache, v_cache, slots, l, n, kv_stride, d, half);
+        score_keys8(q, g, kb, d, scale, scores, ld_scores, l);
+    }
+    finish_heads(q, g, k_cache, v_cache, slots, n, kv_stride, d, scale, scores, ld_scores, out, half);
+}
+
+/* attend_heads for `rows` consecutive query rows of one sequence (q rows ldq apart, out rows
+ * ldo apart) over the first n0 + r + 1 keys each (r = 0 .. rows - 1, a causal prefill tile):
+ * a block of 8 keys is converted once for the whole tile; scores [rows][g][ld_scores]. */
+INLINE_LOAD void attend_rows(const float *q, int64_t ldq, int64_t rows, int64_t n0, int64_t g, const void *k_cache,
+                             const void *v_cache, const int64_t *slots, int64_t kv_stride, int64_t d, float scale,
+                             float *scores, int64_t ld_scores, float *out, int64_t ldo, const int half) {
+    float kb[8 * 64] __attribute__((aligned(32)));
+    int64_t n_max = n0 + rows;
+    for (int64_t l = 0; l + 8 <= n_max; l += 8) {
+        load_keys8(kb, k_cache, v_cache, slots, l, n_max, kv_stride, d, half);
+        for (int64_t r = l + 8 <= n0 + 1 ? 0 : l + 8 - n0 - 1; r < rows; r++) /* rows with n >= l + 8 */
+            score_keys8(q + r * ldq, g, kb, d, scale, scores + r * g * ld_scores, ld_scores, l);
+    }
+    for (int64_t r = 0; r < rows; r++)
+        finish_heads(q + r * ldq, g, k_cache, v_cache, slots, n0 + r + 1, kv_stride, d, scale,
+                     scores + r * g * ld_scores, ld_scores, out + r * ldo, half);
 }
 
 /* One query per sequence: q rows [b] (row stride ldq, heads * d used), slots [b, max_len]
@@ -269,6 +306,8 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
     }
 }
 
+#define ROW_TILE 8 /* prefill rows that share each conversion of 8 keys */
+
 /* A prefill chunk of one sequence: q rows [n_q] (row stride ldq) at positions start .. start +
  * n_q - 1, where start = n_ctx - n_q; ctx_slots [n_ctx]; row i attends to keys 0 .. start + i.
  * Each row is decode_attention's arithmetic over its own context, so a token's attention never
@@ -278,24 +317,28 @@ int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t head
                           const void *k_cache, const void *v_cache, const int64_t *ctx_slots, int64_t n_ctx,
                           float scale, float *out, int64_t kv_half) {
     int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, start = n_ctx - n_q;
+    int64_t tiles = (n_q + ROW_TILE - 1) / ROW_TILE;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        float *scores = malloc((size_t)group * n_ctx * sizeof(float));
+        float *scores = malloc((size_t)ROW_TILE * group * n_ctx * sizeof(float));
         if (!scores) failed = 1;
         /* longest rows first: dynamic scheduling then ends with the short ones */
 #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < n_q * kv_heads; task++) {
-            int64_t i = n_q - 1 - task / kv_heads, h = task % kv_heads * group;
+        for (int64_t task = 0; task < tiles * kv_heads; task++) {
+            int64_t i = (tiles - 1 - task / kv_heads) * ROW_TILE, h = task % kv_heads * group;
+            int64_t rows = n_q - i < ROW_TILE ? n_q - i : ROW_TILE;
             if (!scores) continue;
             const char *k = (const char *)k_cache + (h / group) * d * esize;
             const char *v = (const char *)v_cache + (h / group) * d * esize;
             const float *qh = q + i * ldq + h * d;
             float *o = out + (i * heads + h) * d;
             if (kv_half)
-                attend_heads(qh, group, k, v, ctx_slots, start + i + 1, kv_heads * d, d, scale, scores, n_ctx, o, 1);
+                attend_rows(qh, ldq, rows, start + i, group, k, v, ctx_slots, kv_heads * d, d, scale, scores, n_ctx, o,
+                            heads * d, 1);
             else
-                attend_heads(qh, group, k, v, ctx_slots, start + i + 1, kv_heads * d, d, scale, scores, n_ctx, o, 0);
+                attend_rows(qh, ldq, rows, start + i, group, k, v, ctx_slots, kv_heads * d, d, scale, scores, n_ctx, o,
+                            heads * d, 0);
         }
         free(scores);
     }
