@@ -33,10 +33,12 @@ SIGNATURES = {
     "decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P, _P, _I],
     "prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _P, _I],
     "decode_stack": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P],
+    "decode_scores_len": [_I, _I, _I],
 }
 
 
-RETURNS_STATUS = {"decode_stack", "qlinear_q8", "prefill_attention"}  # 0, or -1 when out of memory
+# a status (0, or -1 when out of memory) or a size
+RETURNS_INT = {"decode_stack", "qlinear_q8", "prefill_attention", "decode_scores_len"}
 
 
 def _cache_dir() -> Path:
@@ -82,7 +84,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = ctypes.c_int64 if name in RETURNS_STATUS else None
+        getattr(lib, name).restype = ctypes.c_int64 if name in RETURNS_INT else None
     return lib
 
 

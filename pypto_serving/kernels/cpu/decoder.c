@@ -101,9 +101,6 @@ static void rotate(float *x, int64_t ld, int64_t heads, int64_t d, const float *
     (void)ld;
 }
 
-/* qkv [t, (heads + 2 kv_heads) d]: rotates q and k in place, then stores k and v at their
- * slots of the caches [slots, kv_heads, d]. cos/sin rows [t, d / 2] with row stride ld_cs.
- * d % 16 == 0. */
 /* Stores n floats (n % 8 == 0) as float32 or, with half, as float16. */
 static void store_kv(void *dst, const float *src, int64_t n, int half) {
     if (!half) {
@@ -137,11 +134,16 @@ void rope_write_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64
 
 /* Softmax of s [n] in place, unnormalized: returns the sum to divide by. */
 static inline float softmax_in_place(float *s, int64_t n) {
-    float mx = -INFINITY;
-    for (int64_t l = 0; l < n; l++) mx = s[l] > mx ? s[l] : mx;
-    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
     int64_t l = 0;
-    for (; l + 8 <= n; l += 8) {
+    for (; l + 8 <= n; l += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + l));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (; l < n; l++) mx = s[l] > mx ? s[l] : mx;
+    vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (l = 0; l + 8 <= n; l += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), vmx));
         _mm256_storeu_ps(s + l, e);
         vsum = _mm256_add_ps(vsum, e);
@@ -154,58 +156,60 @@ static inline float softmax_in_place(float *s, int64_t n) {
     return sum;
 }
 
-/* out[h][j0 .. j0 + 16) for c (<= 3, a constant after inlining) heads: sum over the context
- * of p[h][l] * v[l], one fma chain per element in context order. */
+#define PREFETCH_KEYS 16 /* keys ahead whose vectors are fetched by hand */
+
+/* out[h][j0 .. j0 + 8 w) for c (<= 3) heads, w (<= 3) vectors of 8 (both constants after
+ * inlining): the sum over the context of p[h][l] * v[l], one fma chain per element in
+ * context order. With prefetch, the values PREFETCH_KEYS further on are fetched by hand (a
+ * sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the trail at
+ * every block). */
 INLINE_LOAD void weigh_values(const float *p, int64_t ld_p, const int c, const void *v_cache, const int64_t *slots,
-                              int64_t n, int64_t kv_stride, int64_t j0, const int two, const float *inv,
-                              float *out, int64_t d, const int half) {
-    __m256 acc[3][2];
-    for (int h = 0; h < c; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+                              int64_t n, int64_t kv_stride, int64_t j0, const int w, const float *inv, float *out,
+                              int64_t d, const int half, const int prefetch) {
+    const char *v_bytes = v_cache;
+    int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4);
+    __m256 acc[3][3];
+    for (int h = 0; h < c; h++)
+        for (int x = 0; x < w; x++) acc[h][x] = _mm256_setzero_ps();
     for (int64_t l = 0; l < n; l++) {
-        __m256 v0 = load_kv(v_cache, slots[l] * kv_stride + j0, half);
-        __m256 v1 = two ? load_kv(v_cache, slots[l] * kv_stride + j0 + 8, half) : v0;
+        if (prefetch && l + PREFETCH_KEYS < n) {
+            const char *ahead = v_bytes + slots[l + PREFETCH_KEYS] * row;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + vec - 1, _MM_HINT_T0);
+        }
+        __m256 v[3];
+        for (int x = 0; x < w; x++) v[x] = load_kv(v_cache, slots[l] * kv_stride + j0 + 8 * x, half);
         for (int h = 0; h < c; h++) {
             __m256 ph = _mm256_set1_ps(p[h * ld_p + l]);
-            acc[h][0] = _mm256_fmadd_ps(ph, v0, acc[h][0]);
-            if (two) acc[h][1] = _mm256_fmadd_ps(ph, v1, acc[h][1]);
+            for (int x = 0; x < w; x++) acc[h][x] = _mm256_fmadd_ps(ph, v[x], acc[h][x]);
         }
     }
     for (int h = 0; h < c; h++) {
         __m256 s = _mm256_set1_ps(inv[h]);
-        _mm256_storeu_ps(out + h * d + j0, _mm256_mul_ps(acc[h][0], s));
-        if (two) _mm256_storeu_ps(out + h * d + j0 + 8, _mm256_mul_ps(acc[h][1], s));
+        for (int x = 0; x < w; x++) _mm256_storeu_ps(out + h * d + j0 + 8 * x, _mm256_mul_ps(acc[h][x], s));
     }
 }
 
-#define PREFETCH_KEYS 16
-
-/* Brings k and v at element `index` (d of them) towards the cache. */
-INLINE_LOAD void prefetch_vector(const void *k_cache, const void *v_cache, int64_t index, int64_t d, const int half) {
-    int64_t esize = half ? 2 : 4;
-    const char *k = (const char *)k_cache + index * esize, *v = (const char *)v_cache + index * esize;
-    for (int64_t b = 0; b < d * esize; b += 64) {
-        _mm_prefetch(k + b, _MM_HINT_T0);
-        _mm_prefetch(v + b, _MM_HINT_T0);
+/* Keys l .. l + 7 as float, kb[u * 64 + j]; those at n and beyond are zeros (their scores are
+ * computed and never read). The keys PREFETCH_KEYS further on are fetched by hand. */
+INLINE_LOAD void load_keys8(float *kb, const void *k_cache, const int64_t *slots, int64_t l, int64_t n,
+                            int64_t kv_stride, int64_t d, const int half) {
+    const char *k_bytes = k_cache;
+    int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4);
+    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++) {
+        const char *ahead = k_bytes + slots[u] * row;
+        for (int64_t b = 0; b < vec; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        _mm_prefetch(ahead + vec - 1, _MM_HINT_T0); /* the last line, when the vector straddles one */
     }
-    _mm_prefetch(k + d * esize - 1, _MM_HINT_T0); /* the last line, when the vector straddles one */
-    _mm_prefetch(v + d * esize - 1, _MM_HINT_T0);
-}
-
-/* Keys l .. l + 7 as float, kb[u * 64 + j]; the keys and values PREFETCH_KEYS further on are
- * fetched by hand (a sequence's blocks lie anywhere in the cache, so the hardware prefetcher
- * loses the trail at every block). */
-INLINE_LOAD void load_keys8(float *kb, const void *k_cache, const void *v_cache, const int64_t *slots, int64_t l,
-                            int64_t n, int64_t kv_stride, int64_t d, const int half) {
-    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++)
-        prefetch_vector(k_cache, v_cache, slots[u] * kv_stride, d, half);
     for (int u = 0; u < 8; u++)
         for (int64_t j = 0; j < d; j += 8)
-            _mm256_store_ps(kb + u * 64 + j, load_kv(k_cache, slots[l + u] * kv_stride + j, half));
+            _mm256_store_ps(kb + u * 64 + j,
+                            l + u < n ? load_kv(k_cache, slots[l + u] * kv_stride + j, half) : _mm256_setzero_ps());
 }
 
 /* Scores of heads q[0 .. g) against the 8 keys in kb, into scores[h][l .. l + 7]: 8
  * independent fma chains, then one transposing sum (a single chain per key would wait on the
- * fma latency at every step). */
+ * fma latency at every step). A key's score depends only on its own chain. */
 INLINE_LOAD void score_keys8(const float *q, int64_t g, const float *kb, int64_t d, float scale, float *scores,
                              int64_t ld_scores, int64_t l) {
     for (int64_t h = 0; h < g; h++) {
@@ -219,75 +223,83 @@ INLINE_LOAD void score_keys8(const float *q, int64_t g, const float *kb, int64_t
     }
 }
 
-/* The rest of attention over n keys once the scores of every whole block of 8 keys are in:
- * the last n % 8 scores (one chain each), softmax, and out[h] = p[h] @ v. */
-INLINE_LOAD void finish_heads(const float *q, int64_t g, const void *k_cache, const void *v_cache,
-                              const int64_t *slots, int64_t n, int64_t kv_stride, int64_t d, float scale,
-                              float *scores, int64_t ld_scores, float *out, const int half) {
-    for (int64_t l = n / 8 * 8; l < n; l++)
-        for (int64_t h = 0; h < g; h++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t j = 0; j < d; j += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + j), load_kv(k_cache, slots[l] * kv_stride + j, half),
-                                      acc);
-            scores[h * ld_scores + l] = hsum8(acc) * scale;
-        }
+/* The rest of attention over n keys once their scores are in: softmax, and out[h] = p[h] @ v,
+ * 24 elements of 3 heads at a time (9 independent fma chains, all in registers). */
+INLINE_LOAD void finish_heads(int64_t g, const void *v_cache, const int64_t *slots, int64_t n, int64_t kv_stride,
+                              int64_t d, float *scores, int64_t ld_scores, float *out, const int half,
+                              const int prefetch) {
     float inv[g];
     for (int64_t h = 0; h < g; h++) inv[h] = 1.0f / softmax_in_place(scores + h * ld_scores, n);
     for (int64_t h = 0; h < g; h += 3) {
         const float *p = scores + h * ld_scores;
-        for (int64_t j0 = 0; j0 < d; j0 += 16) {
-            int two = j0 + 8 < d;
-            switch (g - h < 3 ? g - h : 3) {
-            case 1: weigh_values(p, ld_scores, 1, v_cache, slots, n, kv_stride, j0, two, inv + h, out + h * d, d, half); break;
-            case 2: weigh_values(p, ld_scores, 2, v_cache, slots, n, kv_stride, j0, two, inv + h, out + h * d, d, half); break;
-            default: weigh_values(p, ld_scores, 3, v_cache, slots, n, kv_stride, j0, two, inv + h, out + h * d, d, half);
-            }
+        int c = g - h < 3 ? (int)(g - h) : 3;
+        for (int64_t j0 = 0; j0 < d; j0 += 24) {
+            int w = d - j0 < 24 ? (int)(d - j0) / 8 : 3, pf = prefetch && j0 == 0;
+#define WEIGH(C, W) weigh_values(p, ld_scores, C, v_cache, slots, n, kv_stride, j0, W, inv + h, out + h * d, d, half, pf)
+#define WEIGH_W(C)                     \
+    switch (w) {                       \
+    case 1: WEIGH(C, 1); break;        \
+    case 2: WEIGH(C, 2); break;        \
+    default: WEIGH(C, 3);              \
+    }
+            if (c == 1) WEIGH_W(1)
+            else if (c == 2) WEIGH_W(2)
+            else WEIGH_W(3)
+#undef WEIGH_W
+#undef WEIGH
         }
     }
 }
 
 /* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context
- * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch.
- * A block of 8 keys is converted to float once for all g heads, a value vector once per 3
+ * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch,
+ * ld_scores >= n rounded up to 8. A block of 8 keys is converted to float once for all g
  * heads. Per head, the arithmetic and its order depend only on its query and its n keys:
  * neither grouping heads nor `attend_rows`'s tiling changes a result. */
 INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, const void *v_cache,
                               const int64_t *slots, int64_t n, int64_t kv_stride, int64_t d, float scale,
                               float *scores, int64_t ld_scores, float *out, const int half) {
     float kb[8 * 64] __attribute__((aligned(32)));
-    for (int64_t l = 0; l + 8 <= n; l += 8) {
-        load_keys8(kb, k_cache, v_cache, slots, l, n, kv_stride, d, half);
+    for (int64_t l = 0; l < n; l += 8) {
+        load_keys8(kb, k_cache, slots, l, n, kv_stride, d, half);
         score_keys8(q, g, kb, d, scale, scores, ld_scores, l);
     }
-    finish_heads(q, g, k_cache, v_cache, slots, n, kv_stride, d, scale, scores, ld_scores, out, half);
+    finish_heads(g, v_cache, slots, n, kv_stride, d, scores, ld_scores, out, half, 1);
 }
 
 /* attend_heads for `rows` consecutive query rows of one sequence (q rows ldq apart, out rows
  * ldo apart) over the first n0 + r + 1 keys each (r = 0 .. rows - 1, a causal prefill tile):
- * a block of 8 keys is converted once for the whole tile; scores [rows][g][ld_scores]. */
+ * a block of 8 keys is converted once for the whole tile; scores [rows][g][ld_scores]. The
+ * keys and values of a prompt are still in cache when its chunk attends, so values are not
+ * prefetched. */
 INLINE_LOAD void attend_rows(const float *q, int64_t ldq, int64_t rows, int64_t n0, int64_t g, const void *k_cache,
                              const void *v_cache, const int64_t *slots, int64_t kv_stride, int64_t d, float scale,
                              float *scores, int64_t ld_scores, float *out, int64_t ldo, const int half) {
     float kb[8 * 64] __attribute__((aligned(32)));
     int64_t n_max = n0 + rows;
-    for (int64_t l = 0; l + 8 <= n_max; l += 8) {
-        load_keys8(kb, k_cache, v_cache, slots, l, n_max, kv_stride, d, half);
-        for (int64_t r = l + 8 <= n0 + 1 ? 0 : l + 8 - n0 - 1; r < rows; r++) /* rows with n >= l + 8 */
+    for (int64_t l = 0; l < n_max; l += 8) {
+        load_keys8(kb, k_cache, slots, l, n_max, kv_stride, d, half);
+        for (int64_t r = l < n0 + 1 ? 0 : l - n0; r < rows; r++) /* rows with a key in l .. l + 7 */
             score_keys8(q + r * ldq, g, kb, d, scale, scores + r * g * ld_scores, ld_scores, l);
     }
     for (int64_t r = 0; r < rows; r++)
-        finish_heads(q + r * ldq, g, k_cache, v_cache, slots, n0 + r + 1, kv_stride, d, scale,
-                     scores + r * g * ld_scores, ld_scores, out + r * ldo, half);
+        finish_heads(g, v_cache, slots, n0 + r + 1, kv_stride, d, scores + r * g * ld_scores, ld_scores, out + r * ldo,
+                     half, 0);
 }
+
+/* Score rows are whole blocks of 8 keys long. */
+static inline int64_t scores_stride(int64_t n) { return (n + 7) / 8 * 8; }
+
+/* The floats of decode_attention's scores scratch for b sequences of up to max_len keys. */
+int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len) { return b * heads * scores_stride(max_len); }
 
 /* One query per sequence: q rows [b] (row stride ldq, heads * d used), slots [b, max_len]
  * padded, lens [b]; out [b, heads * d]. Caches float32, or float16 with kv_half.
- * d % 8 == 0 and d <= 64; scores: b * heads * max_len floats. */
+ * d % 8 == 0 and d <= 64; scores: decode_scores_len(b, heads, max_len) floats. */
 void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
                       const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
                       const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half) {
-    int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4;
+    int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, ld = scores_stride(max_len);
     /* A task: a kv head's whole group of query heads once there are enough groups to share
      * out (its keys and values are read once for all of them), else a single head. */
     int64_t per_task = b * kv_heads >= 4 * omp_get_max_threads() ? group : 1;
@@ -298,11 +310,11 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
         const char *k = (const char *)k_cache + (h / group) * d * esize;
         const char *v = (const char *)v_cache + (h / group) * d * esize;
         const float *qh = q + i * ldq + h * d;
-        float *sc = scores + (i * heads + h) * max_len, *o = out + i * heads * d + h * d;
+        float *sc = scores + (i * heads + h) * ld, *o = out + i * heads * d + h * d;
         if (kv_half)
-            attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, max_len, o, 1);
+            attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, ld, o, 1);
         else
-            attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, max_len, o, 0);
+            attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, ld, o, 0);
     }
 }
 
@@ -316,12 +328,12 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
 int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t heads, int64_t kv_heads, int64_t d,
                           const void *k_cache, const void *v_cache, const int64_t *ctx_slots, int64_t n_ctx,
                           float scale, float *out, int64_t kv_half) {
-    int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, start = n_ctx - n_q;
+    int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, start = n_ctx - n_q, ld = scores_stride(n_ctx);
     int64_t tiles = (n_q + ROW_TILE - 1) / ROW_TILE;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        float *scores = malloc((size_t)ROW_TILE * group * n_ctx * sizeof(float));
+        float *scores = malloc((size_t)ROW_TILE * group * ld * sizeof(float));
         if (!scores) failed = 1;
         /* longest rows first: dynamic scheduling then ends with the short ones */
 #pragma omp for schedule(dynamic)
@@ -334,10 +346,10 @@ int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t head
             const float *qh = q + i * ldq + h * d;
             float *o = out + (i * heads + h) * d;
             if (kv_half)
-                attend_rows(qh, ldq, rows, start + i, group, k, v, ctx_slots, kv_heads * d, d, scale, scores, n_ctx, o,
+                attend_rows(qh, ldq, rows, start + i, group, k, v, ctx_slots, kv_heads * d, d, scale, scores, ld, o,
                             heads * d, 1);
             else
-                attend_rows(qh, ldq, rows, start + i, group, k, v, ctx_slots, kv_heads * d, d, scale, scores, n_ctx, o,
+                attend_rows(qh, ldq, rows, start + i, group, k, v, ctx_slots, kv_heads * d, d, scale, scores, ld, o,
                             heads * d, 0);
         }
         free(scores);

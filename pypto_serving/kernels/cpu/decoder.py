@@ -66,7 +66,7 @@ def decode_attention_cpu(
     _check_cache(k_cache, v_cache, d)
     slots, lens = slots.contiguous(), lens.contiguous()  # slots is often a cut of wider block rows
     out = torch.empty(b, heads, d)
-    scores = torch.empty(b * heads * slots.shape[1])
+    scores = torch.empty(library().decode_scores_len(b, heads, slots.shape[1]))
     library().decode_attention(q.data_ptr(), q.stride(0), b, heads, k_cache.shape[2], d, k_cache.data_ptr(),
                                v_cache.data_ptr(), slots.data_ptr(), slots.shape[1], lens.data_ptr(), scale,
                                scores.data_ptr(), out.data_ptr(), k_cache.dtype == torch.float16)

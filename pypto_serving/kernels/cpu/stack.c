@@ -22,6 +22,7 @@ void rope_write_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64
 void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
                       const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
                       const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half);
+int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len);
 
 /* A packed linear (see qlinear.c); its output width n_blocks * 16 is the layer's exact width. */
 typedef struct {
@@ -61,7 +62,7 @@ int64_t decode_stack(const Shape *sh, const Layer *layers, int64_t t, float *x, 
     int64_t hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
     int64_t attn_width = sh->heads * d;
     size_t floats = (size_t)t * (hidden * 2 + width + attn_width + 3 * sh->intermediate) +
-                    (size_t)t * sh->heads * max_len;
+                    (size_t)decode_scores_len(t, sh->heads, max_len);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
     float *normed = buf, *qkv = normed + t * hidden, *attn = qkv + t * width, *proj = attn + t * attn_width;
