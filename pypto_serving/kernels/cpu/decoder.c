@@ -256,13 +256,53 @@ INLINE_LOAD void finish_heads(int64_t g, const void *v_cache, const int64_t *slo
  * ld_scores >= n rounded up to 8. A block of 8 keys is converted to float once for all g
  * heads. Per head, the arithmetic and its order depend only on its query and its n keys:
  * neither grouping heads nor `attend_rows`'s tiling changes a result. */
+/* score_keys8's arithmetic for keys l .. l + 3 and c (<= 3, a constant after inlining) heads,
+ * reading the keys straight from the cache: 12 independent fma chains, and per key the same
+ * chain and the same transposing sum, so the scores are score_keys8's bit for bit. Keys at n
+ * and beyond read key l's vector; their scores are never read. */
+INLINE_LOAD void score_keys4(const float *q, const int c, const void *k_cache, const int64_t *slots, int64_t l,
+                             int64_t n, int64_t kv_stride, int64_t d, float scale, float *scores, int64_t ld_scores,
+                             const int half) {
+    const char *k_bytes = k_cache;
+    int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4), base[4];
+    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 4 && u < n; u++) {
+        const char *ahead = k_bytes + slots[u] * row;
+        for (int64_t b = 0; b < vec; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        _mm_prefetch(ahead + vec - 1, _MM_HINT_T0);
+    }
+    for (int u = 0; u < 4; u++) base[u] = slots[l + u < n ? l + u : l] * kv_stride;
+    __m256 acc[3][4];
+    for (int h = 0; h < c; h++)
+        for (int u = 0; u < 4; u++) acc[h][u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; j += 8)
+        for (int u = 0; u < 4; u++) {
+            __m256 k = load_kv(k_cache, base[u] + j, half);
+            for (int h = 0; h < c; h++) acc[h][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + j), k, acc[h][u]);
+        }
+    for (int h = 0; h < c; h++) {
+        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        _mm_storeu_ps(scores + h * ld_scores + l, _mm_mul_ps(s, _mm_set1_ps(scale)));
+    }
+}
+
+/* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context
+ * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch,
+ * ld_scores >= n rounded up to 8. A key vector is read once for up to 3 heads. Per head, the
+ * arithmetic and its order depend only on its query and its n keys: neither grouping heads
+ * nor `attend_rows`'s tiling changes a result. */
 INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, const void *v_cache,
                               const int64_t *slots, int64_t n, int64_t kv_stride, int64_t d, float scale,
                               float *scores, int64_t ld_scores, float *out, const int half) {
-    float kb[8 * 64] __attribute__((aligned(32)));
-    for (int64_t l = 0; l < n; l += 8) {
-        load_keys8(kb, k_cache, slots, l, n, kv_stride, d, half);
-        score_keys8(q, g, kb, d, scale, scores, ld_scores, l);
+    for (int64_t h = 0; h < g; h += 3) {
+        const float *qh = q + h * d;
+        float *sh = scores + h * ld_scores;
+        int c = g - h < 3 ? (int)(g - h) : 3;
+        for (int64_t l = 0; l < n; l += 4) {
+            if (c == 3) score_keys4(qh, 3, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
+            else if (c == 2) score_keys4(qh, 2, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
+            else score_keys4(qh, 1, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
+        }
     }
     finish_heads(g, v_cache, slots, n, kv_stride, d, scores, ld_scores, out, half, 1);
 }
