@@ -251,11 +251,6 @@ INLINE_LOAD void finish_heads(int64_t g, const void *v_cache, const int64_t *slo
     }
 }
 
-/* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context
- * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch,
- * ld_scores >= n rounded up to 8. A block of 8 keys is converted to float once for all g
- * heads. Per head, the arithmetic and its order depend only on its query and its n keys:
- * neither grouping heads nor `attend_rows`'s tiling changes a result. */
 /* score_keys8's arithmetic for keys l .. l + 3 and c (<= 3, a constant after inlining) heads,
  * reading the keys straight from the cache: 12 independent fma chains, and per key the same
  * chain and the same transposing sum, so the scores are score_keys8's bit for bit. Keys at n

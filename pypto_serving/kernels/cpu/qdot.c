@@ -263,7 +263,7 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
                 const uint16_t *z, int bits, const float *bias, float *y, int64_t ldy) {
     int64_t groups = k / GROUP, qbytes = k * bits * 2;
     int failed = 0;
-#pragma omp parallel for schedule(static) reduction(| : failed)
+#pragma omp parallel for schedule(guided) reduction(| : failed)
     for (int64_t nb = 0; nb < n_blocks; nb++) {
         __m256i *quads = panel_quads(q + nb * qbytes, bits, k);
         if (!quads) {
