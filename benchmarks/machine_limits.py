@@ -1,4 +1,5 @@
-"""The machine's physical limits for LLM serving: GEMM GFLOP/s per dtype and memory bandwidth.
+"""The machine's physical limits for LLM serving: GEMM GFLOP/s per dtype, the integer dot-product
+roof, and memory bandwidth.
 
 Serving numbers mean little without them: decode at batch 1 is bound by the bytes of
 weights read per token (bandwidth), prefill and large-batch decode by GEMM throughput.
@@ -7,15 +8,21 @@ weights read per token (bandwidth), prefill and large-batch decode by GEMM throu
 
 Measures with torch on the CPU (the threads torch would use by default): fp32 / bf16 / fp16
 GEMM at a large square shape and at SmolLM2-135M's MLP shape, the weight-only int8 / int4
-matmuls at decode and prefill sizes, and the read, copy and write bandwidth of a buffer much
-larger than the last-level cache.
+matmuls at decode and prefill sizes (fp32 activations, and the serving default: int8
+activations), and the read, copy and write bandwidth of a buffer much larger than the
+last-level cache. With AVX2 and a C compiler it also times `int8_roof.c`: how many vpmaddubsw
+(32 int8 multiply-adds each) all threads retire per second, alone and with the add that
+accumulates them, the ceiling of the int8 x int4 matmuls.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -101,9 +108,48 @@ def weight_only_measurements() -> list[Measurement]:
     return out
 
 
+def int8_activation_measurement() -> list[Measurement]:
+    """The serving default on the CPU: int4 weights, int8 activations (kernels/cpu/qdot.c)."""
+    from pypto_serving.kernels.cpu import available
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q8
+    from pypto_serving.kernels.quant_linear import pack
+
+    if not available():
+        return []
+    m, k, n = 512, 576, 3072
+    packed, _ = pack(torch.randn(n, k), 4)
+    x = torch.randn(m, k)
+    seconds = best_seconds(lambda: quant_linear_cpu_q8(x, packed))
+    return [Measurement("int4 x int8-activation GEMM M=512", m * k * n / seconds / 1e9, "GMAC/s")]
+
+
+def int8_roof_measurements(iters: int = 20_000_000) -> list[Measurement]:
+    """vpmaddubsw retired per second on all torch threads (int8_roof.c), in multiply-adds."""
+    from pypto_serving.kernels.cpu import find_compiler, has_avx2
+
+    compiler = find_compiler()
+    if not has_avx2() or compiler is None:
+        return []
+    source = Path(__file__).with_name("int8_roof.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        lib_path = Path(tmp) / "int8_roof.so"
+        flags = ["-O2", "-mavx2", "-fopenmp", "-shared", "-fPIC"]
+        subprocess.run([compiler, *flags, str(source), "-o", str(lib_path)], check=True, capture_output=True)
+        roof = ctypes.CDLL(str(lib_path)).int8_roof_gmacs
+    roof.argtypes, roof.restype = [ctypes.c_int64] * 3, ctypes.c_double
+    threads = torch.get_num_threads()
+    out = []
+    for accumulate, label in ((0, "vpmaddubsw alone"), (1, "vpmaddubsw + vpaddw")):
+        best = max(roof(iters, threads, accumulate) for _ in range(3))
+        out.append(Measurement(f"int8 dot roof, {label}", best, "GMAC/s"))
+    return out
+
+
 def measure_all() -> list[Measurement]:
     results = []
-    for group in (bandwidth_gbs, gemm_measurements, weight_only_measurements):
+    groups = (bandwidth_gbs, gemm_measurements, weight_only_measurements, int8_activation_measurement,
+              int8_roof_measurements)
+    for group in groups:
         for m in group():
             print(f"{m.name:<40}{m.value:>10.1f} {m.unit}", flush=True)
             results.append(m)

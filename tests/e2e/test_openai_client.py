@@ -33,8 +33,12 @@ def test_completion(client: openai.OpenAI):
 
 
 def test_chat_answers(client: openai.OpenAI):
+    # SmolLM2-135M is on a knife's edge for some phrasings: "What is the capital of France?"
+    # gets "L'Etoile, la femme, ..." from llama.cpp's Q8 activations and from ours, and
+    # "Paris" from exact float activations. This phrasing gets "The capital of France is
+    # Paris." from all three.
     out = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        model="smollm2", messages=[{"role": "user", "content": "Which city is the capital of France?"}],
         max_tokens=24, temperature=0)
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"

@@ -71,11 +71,21 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def has_avx2() -> bool:
+    """Whether this CPU runs the kernels (AVX2 with FMA and F16C)."""
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot run here."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if not {"avx2", "fma", "f16c"} <= _cpu_flags() or compiler is None:
+    compiler = find_compiler()
+    if not has_avx2() or compiler is None:
         return None
     torch.get_num_threads()  # torch (and with it its libgomp) is loaded before our library
     try:
