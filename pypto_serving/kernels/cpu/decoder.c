@@ -158,6 +158,12 @@ static inline float softmax_in_place(float *s, int64_t n) {
 
 #define PREFETCH_KEYS 16 /* keys ahead whose vectors are fetched by hand */
 
+/* Brings the vec bytes at p towards the cache, the last line too when they straddle one. */
+INLINE_LOAD void prefetch_vector(const char *p, int64_t vec) {
+    for (int64_t b = 0; b < vec; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    _mm_prefetch(p + vec - 1, _MM_HINT_T0);
+}
+
 /* out[h][j0 .. j0 + 8 w) for c (<= 3) heads, w (<= 3) vectors of 8 (both constants after
  * inlining): the sum over the context of p[h][l] * v[l], one fma chain per element in
  * context order. With prefetch, the values PREFETCH_KEYS further on are fetched by hand (a
@@ -172,11 +178,7 @@ INLINE_LOAD void weigh_values(const float *p, int64_t ld_p, const int c, const v
     for (int h = 0; h < c; h++)
         for (int x = 0; x < w; x++) acc[h][x] = _mm256_setzero_ps();
     for (int64_t l = 0; l < n; l++) {
-        if (prefetch && l + PREFETCH_KEYS < n) {
-            const char *ahead = v_bytes + slots[l + PREFETCH_KEYS] * row;
-            _mm_prefetch(ahead, _MM_HINT_T0);
-            _mm_prefetch(ahead + vec - 1, _MM_HINT_T0);
-        }
+        if (prefetch && l + PREFETCH_KEYS < n) prefetch_vector(v_bytes + slots[l + PREFETCH_KEYS] * row, vec);
         __m256 v[3];
         for (int x = 0; x < w; x++) v[x] = load_kv(v_cache, slots[l] * kv_stride + j0 + 8 * x, half);
         for (int h = 0; h < c; h++) {
@@ -196,11 +198,8 @@ INLINE_LOAD void load_keys8(float *kb, const void *k_cache, const int64_t *slots
                             int64_t kv_stride, int64_t d, const int half) {
     const char *k_bytes = k_cache;
     int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4);
-    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++) {
-        const char *ahead = k_bytes + slots[u] * row;
-        for (int64_t b = 0; b < vec; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-        _mm_prefetch(ahead + vec - 1, _MM_HINT_T0); /* the last line, when the vector straddles one */
-    }
+    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++)
+        prefetch_vector(k_bytes + slots[u] * row, vec);
     for (int u = 0; u < 8; u++)
         for (int64_t j = 0; j < d; j += 8)
             _mm256_store_ps(kb + u * 64 + j,
@@ -260,11 +259,8 @@ INLINE_LOAD void score_keys4(const float *q, const int c, const void *k_cache, c
                              const int half) {
     const char *k_bytes = k_cache;
     int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4), base[4];
-    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 4 && u < n; u++) {
-        const char *ahead = k_bytes + slots[u] * row;
-        for (int64_t b = 0; b < vec; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-        _mm_prefetch(ahead + vec - 1, _MM_HINT_T0);
-    }
+    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 4 && u < n; u++)
+        prefetch_vector(k_bytes + slots[u] * row, vec);
     for (int u = 0; u < 4; u++) base[u] = slots[l + u < n ? l + u : l] * kv_stride;
     __m256 acc[3][4];
     for (int h = 0; h < c; h++)
