@@ -36,7 +36,7 @@ REQUEST_EVENTS = {"request received", "request finished", "request aborted"}
 def ops_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     out = tmp_path_factory.mktemp("profile")
     args = ["--log-format", "json", "--profile", "--profile-output", str(out),
-            "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "10"]
+            "--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "10"]
     with ServerProcess(args) as srv:
         srv.profile_dir = out
         yield srv
@@ -208,10 +208,12 @@ def test_graceful_shutdown_with_requests_in_flight_while_recording(ops_server: S
     url, proc = ops_server.url, ops_server.proc
     assert httpx.post(url + "/start_profile").status_code == 200
     # The short one needs one more token within --shutdown-timeout (10 s); the long one (eight
-    # choices of 480 tokens) would need 384 tokens/s under the kernel profiler while its KV
-    # (~90 MiB, more than the 64 MiB cache) churns through preemption: out of a CPU's reach.
+    # choices of 1000 tokens) would need 800 tokens/s under the kernel profiler while its KV
+    # (~180 MiB, nearly three times the 64 MiB cache) churns through preemption: twice what
+    # this server decodes on a 2-core CPU without the profiler (480 tokens made the same
+    # demand at 384 tokens/s, which the CPU kernels began to reach).
     short = BackgroundStream(url, {"prompt": "Short one", "max_tokens": 2})
-    long = BackgroundStream(url, {"prompt": "Long one", "max_tokens": 480, "n": 8})
+    long = BackgroundStream(url, {"prompt": "Long one", "max_tokens": 1000, "n": 8})
     for stream in (short, long):
         stream.start()
         assert stream.first.wait(300)
