@@ -61,9 +61,7 @@ def decode_attention_cpu(
 ) -> torch.Tensor:
     """q [b, heads, d] (rows may be strided), slots [b, L] padded, lens [b] -> [b, heads, d]."""
     b, heads, d = q.shape
-    if d > 64 or d % 8:
-        raise ValueError(f"decode_attention_cpu takes head_dim <= 64 and a multiple of 8, got {d}")
-    _check_cache(k_cache, v_cache, d)
+    _check_inputs("decode_attention_cpu", k_cache, v_cache, d)
     slots, lens = slots.contiguous(), lens.contiguous()  # slots is often a cut of wider block rows
     out = torch.empty(b, heads, d)
     scores = torch.empty(library().decode_scores_len(b, heads, slots.shape[1]))
@@ -79,9 +77,7 @@ def prefill_attention_cpu(
     """One prefill chunk: q [n, heads, d] (rows may be strided), the last n of its context
     slots [L] -> [n, heads, d], causal; each row exactly as `decode_attention_cpu` gives it."""
     n, heads, d = q.shape
-    if d > 64 or d % 8:
-        raise ValueError(f"prefill_attention_cpu takes head_dim <= 64 and a multiple of 8, got {d}")
-    _check_cache(k_cache, v_cache, d)
+    _check_inputs("prefill_attention_cpu", k_cache, v_cache, d)
     if ctx_slots.dtype != torch.int64 or ctx_slots.shape[0] < n:
         raise ValueError(f"prefill_attention_cpu needs int64 context slots for at least the chunk's {n} rows")
     if q.stride()[1:] != (d, 1):
@@ -96,8 +92,11 @@ def prefill_attention_cpu(
     return out
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> None:
-    """The C attention reads contiguous float32 or float16 caches [..., kv_heads, d]."""
+def _check_inputs(kernel: str, k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> None:
+    """The C attention takes head_dim d <= 64 (a multiple of 8) and reads contiguous float32
+    or float16 caches [..., kv_heads, d]."""
+    if d > 64 or d % 8:
+        raise ValueError(f"{kernel} takes head_dim <= 64 and a multiple of 8, got {d}")
     for cache in (k_cache, v_cache):
         usable = cache.dtype in (torch.float32, torch.float16) and cache.is_contiguous()
         if not usable or cache.shape[-1] != d:
