@@ -24,8 +24,8 @@
 #define NB 16
 #define GROUP 32
 #define QUADS (GROUP / 4)
-#define MR 6  /* rows of x per tile, int4 weights: 12 accumulators + 2 weights + x */
-#define MR8 4 /* int8 weights need two more registers per quad (|w| and sign-applied x) */
+#define MR4 3 /* rows of x per tile, int4 weights: 6 group sums + 6 accumulators + 2 weights + x + product */
+#define MR8 3 /* int8 weights */
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
@@ -68,22 +68,25 @@ INLINE __m256i quad_of(const int8_t *xq) {
 }
 
 /* int4: 16-bit partial sums over a group stay below 8 * 2 * 15 * 127 = 30480, so they add up
- * in 16 bits and widen once per group. int8: widen every quad (2 * 127 * 127 fits 16 bits). */
-INLINE __m256i dot4(__m256i acc16, __m256i w, __m256i x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x)); }
-
-INLINE __m256i dot8(__m256i acc32, __m256i w, __m256i x) {
+ * in 16 bits and widen once per group. int8: widen every quad (2 * 127 * 127 fits 16 bits).
+ * A group's first quad starts its sum (first = 1) rather than adding to zeros. */
+INLINE __m256i quad_dot(__m256i acc, __m256i w, __m256i x, const int bits, const int first) {
+    if (bits == 4) {
+        __m256i p = _mm256_maddubs_epi16(w, x);
+        return first ? p : _mm256_add_epi16(acc, p);
+    }
     __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_add_epi32(acc32, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    return first ? p : _mm256_add_epi32(acc, p);
 }
 
 INLINE __m256i widen(__m256i acc, int bits) {
     return bits == 4 ? _mm256_madd_epi16(acc, _mm256_set1_epi16(1)) : acc;
 }
 
-INLINE __m256 group_step(__m256 acc, __m256i dot, float d, float sx, const uint16_t *scale, const uint16_t *zero) {
-    __m256 ds = _mm256_mul_ps(_mm256_set1_ps(d), half8(scale));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, acc);
-    return _mm256_fmadd_ps(_mm256_set1_ps(sx), half8(zero), acc);
+INLINE __m256 group_step(__m256 acc, __m256i dot, float d, float sx, __m256 scale, __m256 zero) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_set1_ps(d), scale), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(sx), zero, acc);
 }
 
 /* ---- activations ---- */
@@ -126,8 +129,9 @@ typedef struct {
 static __thread void *act_buf;
 static __thread size_t act_len;
 
-/* Quantized rows of x in a per-thread buffer (reused across calls), or .q NULL when out of memory. */
-static Rows quantize(const float *x, int64_t m, int64_t k) {
+/* Room for m quantized rows of k in a per-thread buffer (reused across calls), or .q NULL when
+ * out of memory. */
+static Rows rows_buffer(int64_t m, int64_t k) {
     size_t need = (size_t)m * k + 2 * (size_t)m * (k / GROUP) * sizeof(float) + 64;
     if (act_len < need) {
         free(act_buf);
@@ -139,9 +143,6 @@ static Rows quantize(const float *x, int64_t m, int64_t k) {
     r.d = act_buf;
     r.sx = r.d + m * (k / GROUP);
     r.q = (int8_t *)(r.sx + m * (k / GROUP));
-#pragma omp parallel for schedule(static) if (m > 8)
-    for (int64_t i = 0; i < m; i++)
-        quantize_row(x + i * k, k, r.q + i * k, r.d + i * (k / GROUP), r.sx + i * (k / GROUP));
     return r;
 }
 
@@ -158,18 +159,14 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
         __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
             __m256i a, b, xv = quad_of(x->q + k);
-            if (bits == 4) {
-                quads4(q, k, &a, &b);
-                t0 = dot4(t0, a, xv);
-                t1 = dot4(t1, b, xv);
-            } else {
-                quads8(q, k, &a, &b);
-                t0 = dot8(t0, a, xv);
-                t1 = dot8(t1, b, xv);
-            }
+            if (bits == 4) quads4(q, k, &a, &b);
+            else quads8(q, k, &a, &b);
+            t0 = quad_dot(t0, a, xv, bits, 0);
+            t1 = quad_dot(t1, b, xv, bits, 0);
         }
-        acc0 = group_step(acc0, widen(t0, bits), x->d[g], x->sx[g], scale + g * NB, zero + g * NB);
-        acc1 = group_step(acc1, widen(t1, bits), x->d[g], x->sx[g], scale + g * NB + 8, zero + g * NB + 8);
+        acc0 = group_step(acc0, widen(t0, bits), x->d[g], x->sx[g], half8(scale + g * NB), half8(zero + g * NB));
+        acc1 = group_step(acc1, widen(t1, bits), x->d[g], x->sx[g], half8(scale + g * NB + 8),
+                          half8(zero + g * NB + 8));
     }
     store8(y, acc0, bias);
     store8(y + 8, acc1, bias ? bias + 8 : 0);
@@ -186,44 +183,47 @@ static void gemv(const Rows *x, int64_t k, int64_t n_blocks, const uint8_t *q, c
     }
 }
 
-/* ---- M > 1: a panel's quads built once into scratch [k / 4][2] and reused by every row ---- */
+/* ---- M > 1: a panel's quads, scales and zeros made once into scratch and reused by every row ---- */
 
-#define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define DECL(r) __m256i t##r##0, t##r##1;
-#define RESET(r) t##r##0 = t##r##1 = _mm256_setzero_si256();
-#define DOT(r)                                                    \
-    if (mr > r) {                                                 \
-        __m256i xv = quad_of(x->q + (m0 + r) * k_len + k);        \
-        if (bits == 4) {                                          \
-            t##r##0 = dot4(t##r##0, a, xv);                       \
-            t##r##1 = dot4(t##r##1, b, xv);                       \
-        } else {                                                  \
-            t##r##0 = dot8(t##r##0, a, xv);                       \
-            t##r##1 = dot8(t##r##1, b, xv);                       \
-        }                                                         \
-        __asm__("" : "+x"(t##r##0), "+x"(t##r##1));               \
-    }
-#define SCALE(r)                                                                                         \
-    if (mr > r) {                                                                                        \
-        int64_t i = (m0 + r) * groups + g;                                                               \
-        acc[r][0] = group_step(acc[r][0], widen(t##r##0, bits), x->d[i], x->sx[i], scale + g * NB, zero + g * NB); \
-        acc[r][1] = group_step(acc[r][1], widen(t##r##1, bits), x->d[i], x->sx[i], scale + g * NB + 8,         \
-                               zero + g * NB + 8);                                                     \
-    }
+/* A panel in scratch: quads [k / 4][2], then per group 16 scales and 16 zeros as floats. */
+typedef struct {
+    const __m256i *quads;
+    const float *sz;
+} Panel;
 
-INLINE void tile(const Rows *x, int64_t m0, const int mr, const __m256i *quads, const uint16_t *scale,
-                 const uint16_t *zero, const int bits, int64_t k_len, float *y, int64_t ldy, const float *bias) {
+/* mr rows of x against one panel: every group sum and accumulator stays in a register. The
+ * empty asm keeps GCC from turning each chain of adds into a tree over the group's products
+ * (which needs more registers than there are, and spills). */
+INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
+                 int64_t ldy, const float *bias) {
     const int64_t groups = k_len / GROUP;
-    __m256 acc[MR][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    ROWS(DECL)
+    const int8_t *xr[MR4 > MR8 ? MR4 : MR8];
+    __m256 acc[MR4 > MR8 ? MR4 : MR8][2];
+    for (int r = 0; r < mr; r++) {
+        xr[r] = x->q + (m0 + r) * k_len;
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
     for (int64_t g = 0; g < groups; g++) {
-        ROWS(RESET)
-        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
-            __m256i a = _mm256_load_si256(quads + k / 2), b = _mm256_load_si256(quads + k / 2 + 1);
-            ROWS(DOT)
+        const __m256i *qg = p.quads + g * 2 * QUADS;
+        __m256i t[MR4 > MR8 ? MR4 : MR8][2];
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            __m256i a = _mm256_load_si256(qg + 2 * j), b = _mm256_load_si256(qg + 2 * j + 1);
+            for (int r = 0; r < mr; r++) {
+                __m256i xv = quad_of(xr[r] + g * GROUP + 4 * j);
+                t[r][0] = quad_dot(t[r][0], a, xv, bits, j == 0);
+                t[r][1] = quad_dot(t[r][1], b, xv, bits, j == 0);
+                __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]));
+            }
         }
-        ROWS(SCALE)
+        const float *sz = p.sz + g * 2 * NB;
+        __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
+        __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
+        for (int r = 0; r < mr; r++) {
+            int64_t i = (m0 + r) * groups + g;
+            acc[r][0] = group_step(acc[r][0], widen(t[r][0], bits), x->d[i], x->sx[i], s0, z0);
+            acc[r][1] = group_step(acc[r][1], widen(t[r][1], bits), x->d[i], x->sx[i], s1, z1);
+        }
     }
     for (int r = 0; r < mr; r++) {
         store8(y + r * ldy, acc[r][0], bias);
@@ -231,51 +231,59 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, const __m256i *quads, 
     }
 }
 
-static void tile_dispatch(const Rows *x, int64_t m0, int mr, const __m256i *quads, const uint16_t *scale,
-                          const uint16_t *zero, int bits, int64_t k, float *y, int64_t ldy, const float *bias) {
-#define TILE_CASE(n)                                                            \
-    case n:                                                                     \
-        if (bits == 4) tile(x, m0, n, quads, scale, zero, 4, k, y, ldy, bias);  \
-        else tile(x, m0, n < MR8 ? n : MR8, quads, scale, zero, 8, k, y, ldy, bias); \
-        break;
-    switch (mr) { TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) default: TILE_CASE(MR) }
-#undef TILE_CASE
+/* Rows m0 .. m - 1 of x against one panel, in tiles of up to `rows` (each size a constant, so
+ * each tile keeps its registers). */
+INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, const int rows, int64_t k, float *y,
+                       int64_t ldy, const float *bias) {
+    int64_t m0 = 0;
+    for (; m0 + rows <= m; m0 += rows) tile(x, m0, rows, p, bits, k, y + m0 * ldy, ldy, bias);
+    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias);
+    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias);
 }
 
 static __thread __m256i *scratch;
 static __thread int64_t scratch_len;
 
-static __m256i *panel_quads(const uint8_t *q, int bits, int64_t k) {
-    if (scratch_len < k / 2) {
+/* The panel's quads, scales and zeros in this thread's scratch; .quads NULL when out of memory. */
+static Panel panel_prepare(const uint8_t *q, const uint16_t *scale, const uint16_t *zero, int bits, int64_t k) {
+    int64_t groups = k / GROUP, need = k / 2 + groups * 4; /* 4 registers' worth of floats per group */
+    if (scratch_len < need) {
         free(scratch);
-        scratch = aligned_alloc(64, (size_t)k / 2 * sizeof(__m256i));
-        scratch_len = scratch ? k / 2 : 0;
+        scratch = aligned_alloc(64, (size_t)need * sizeof(__m256i));
+        scratch_len = scratch ? need : 0;
     }
-    if (!scratch) return 0;
+    Panel p = {scratch, (const float *)(scratch + k / 2)};
+    if (!scratch) return p;
     for (int64_t i = 0; i < k; i += 4) {
         if (bits == 4) quads4(q, i, scratch + i / 2, scratch + i / 2 + 1);
         else quads8(q, i, scratch + i / 2, scratch + i / 2 + 1);
     }
-    return scratch;
+    float *sz = (float *)(scratch + k / 2);
+    for (int64_t g = 0; g < groups; g++)
+        for (int h = 0; h < NB; h += 8) {
+            _mm256_store_ps(sz + g * 2 * NB + h, half8(scale + g * NB + h));
+            _mm256_store_ps(sz + g * 2 * NB + NB + h, half8(zero + g * NB + h));
+        }
+    return p;
 }
 
+/* This thread's share of the panels against m rows of x, inside a parallel region: threads
+ * go on to their next call without waiting for each other. Returns nonzero when its scratch
+ * cannot be allocated. */
 static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
                 const uint16_t *z, int bits, const float *bias, float *y, int64_t ldy) {
     int64_t groups = k / GROUP, qbytes = k * bits * 2;
     int failed = 0;
-#pragma omp parallel for schedule(guided) reduction(| : failed)
+#pragma omp for schedule(guided) nowait
     for (int64_t nb = 0; nb < n_blocks; nb++) {
-        __m256i *quads = panel_quads(q + nb * qbytes, bits, k);
-        if (!quads) {
+        Panel p = panel_prepare(q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, bits, k);
+        if (!p.quads) {
             failed = 1;
             continue;
         }
-        const int rows = bits == 4 ? MR : MR8;
-        for (int64_t m0 = 0; m0 < m; m0 += rows) {
-            int mr = m - m0 < rows ? (int)(m - m0) : rows;
-            tile_dispatch(x, m0, mr, quads, s + nb * groups * NB, z + nb * groups * NB, bits, k,
-                          y + m0 * ldy + nb * NB, ldy, bias ? bias + nb * NB : 0);
-        }
+        const float *b = bias ? bias + nb * NB : 0;
+        if (bits == 4) panel_rows(x, m, p, 4, MR4, k, y + nb * NB, ldy, b);
+        else panel_rows(x, m, p, 8, MR8, k, y + nb * NB, ldy, b);
     }
     return failed;
 }
@@ -287,19 +295,28 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
  * activations. Returns 0, or -1 when its scratch memory cannot be allocated. */
 int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
                    const uint16_t *z, int64_t bits, const float *bias, float *y) {
-    Rows rows = quantize(x, m, k);
+    Rows rows = rows_buffer(m, k);
     if (!rows.q) return -1;
-    int64_t ldy = n_blocks * NB;
+    int64_t ldy = n_blocks * NB, groups = k / GROUP;
     if (m == 1) {
+        quantize_row(x, k, rows.q, rows.d, rows.sx);
         gemv(&rows, k, n_blocks, q, s, z, (int)bits, bias, y);
         return 0;
     }
-    int64_t pass = PASS_BYTES / k / MR * MR;
-    if (pass < MR) pass = MR;
-    for (int64_t m0 = 0; m0 < m; m0 += pass) {
-        int64_t n_rows = m - m0 < pass ? m - m0 : pass;
-        Rows part = {rows.q + m0 * k, rows.d + m0 * (k / GROUP), rows.sx + m0 * (k / GROUP)};
-        if (gemm(&part, n_rows, k, n_blocks, q, s, z, (int)bits, bias, y + m0 * ldy, ldy)) return -1;
+    int64_t pass = PASS_BYTES / k / MR4 * MR4;
+    if (pass < MR4) pass = MR4;
+    int failed = 0;
+    /* one parallel region: quantize every row, then the passes with no barrier between them */
+#pragma omp parallel reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            quantize_row(x + i * k, k, rows.q + i * k, rows.d + i * groups, rows.sx + i * groups);
+        for (int64_t m0 = 0; m0 < m; m0 += pass) {
+            int64_t n_rows = m - m0 < pass ? m - m0 : pass;
+            Rows part = {rows.q + m0 * k, rows.d + m0 * groups, rows.sx + m0 * groups};
+            failed |= gemm(&part, n_rows, k, n_blocks, q, s, z, (int)bits, bias, y + m0 * ldy, ldy);
+        }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
