@@ -195,7 +195,7 @@ typedef struct {
  * empty asm keeps GCC from turning each chain of adds into a tree over the group's products
  * (which needs more registers than there are, and spills). */
 INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
-                 int64_t ldy, const float *bias) {
+                 int64_t ldy, const float *bias, const char *next) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[MR4 > MR8 ? MR4 : MR8];
     __m256 acc[MR4 > MR8 ? MR4 : MR8][2];
@@ -216,6 +216,10 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
                 __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]));
             }
         }
+        /* the next panel's group g (bits cache lines), while this one computes: a decode step's
+         * few rows leave the panels' reads from memory exposed otherwise */
+        if (next)
+            for (int l = 0; l < bits; l++) _mm_prefetch(next + (g * bits + l) * 64, _MM_HINT_T0);
         const float *sz = p.sz + g * 2 * NB;
         __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
         __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
@@ -231,14 +235,15 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
     }
 }
 
-/* Rows m0 .. m - 1 of x against one panel, in tiles of up to `rows` (each size a constant, so
- * each tile keeps its registers). */
+/* Rows 0 .. m - 1 of x against one panel, in tiles of up to `rows` (each size a constant, so
+ * each tile keeps its registers); the first tile prefetches `next` (the following panel's
+ * levels, or NULL). */
 INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, const int rows, int64_t k, float *y,
-                       int64_t ldy, const float *bias) {
+                       int64_t ldy, const float *bias, const char *next) {
     int64_t m0 = 0;
-    for (; m0 + rows <= m; m0 += rows) tile(x, m0, rows, p, bits, k, y + m0 * ldy, ldy, bias);
-    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias);
-    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias);
+    for (; m0 + rows <= m; m0 += rows, next = 0) tile(x, m0, rows, p, bits, k, y + m0 * ldy, ldy, bias, next);
+    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next);
+    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
 }
 
 static __thread __m256i *scratch;
@@ -282,8 +287,9 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
             continue;
         }
         const float *b = bias ? bias + nb * NB : 0;
-        if (bits == 4) panel_rows(x, m, p, 4, MR4, k, y + nb * NB, ldy, b);
-        else panel_rows(x, m, p, 8, MR8, k, y + nb * NB, ldy, b);
+        const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
+        if (bits == 4) panel_rows(x, m, p, 4, MR4, k, y + nb * NB, ldy, b, next);
+        else panel_rows(x, m, p, 8, MR8, k, y + nb * NB, ldy, b, next);
     }
     return failed;
 }
