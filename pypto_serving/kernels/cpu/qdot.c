@@ -24,8 +24,9 @@
 #define NB 16
 #define GROUP 32
 #define QUADS (GROUP / 4)
-#define MR4 3 /* rows of x per tile, int4 weights: 6 group sums + 6 accumulators + 2 weights + x + product */
-#define MR8 3 /* int8 weights */
+/* Rows of x per tile. int4 weights: 6 group sums + 6 accumulators + 2 weights + x + product
+ * fill the 16 registers. int8 weights need more, and 3 still measured faster than 2 or 4. */
+#define MR 3
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
@@ -197,15 +198,15 @@ typedef struct {
 INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
                  int64_t ldy, const float *bias, const char *next) {
     const int64_t groups = k_len / GROUP;
-    const int8_t *xr[MR4 > MR8 ? MR4 : MR8];
-    __m256 acc[MR4 > MR8 ? MR4 : MR8][2];
+    const int8_t *xr[MR];
+    __m256 acc[MR][2];
     for (int r = 0; r < mr; r++) {
         xr[r] = x->q + (m0 + r) * k_len;
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     }
     for (int64_t g = 0; g < groups; g++) {
         const __m256i *qg = p.quads + g * 2 * QUADS;
-        __m256i t[MR4 > MR8 ? MR4 : MR8][2];
+        __m256i t[MR][2];
 #pragma GCC unroll 8
         for (int j = 0; j < QUADS; j++) {
             __m256i a = _mm256_load_si256(qg + 2 * j), b = _mm256_load_si256(qg + 2 * j + 1);
@@ -235,13 +236,14 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
     }
 }
 
-/* Rows 0 .. m - 1 of x against one panel, in tiles of up to `rows` (each size a constant, so
- * each tile keeps its registers); the first tile prefetches `next` (the following panel's
- * levels, or NULL). */
-INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, const int rows, int64_t k, float *y,
-                       int64_t ldy, const float *bias, const char *next) {
+/* Rows 0 .. m - 1 of x against one panel, in tiles of MR rows and a last one of 1 or 2 (each
+ * size a constant, so each tile keeps its registers); the first tile prefetches `next` (the
+ * following panel's levels, or NULL). */
+_Static_assert(MR == 3, "panel_rows tiles the last 1 or 2 rows");
+INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y, int64_t ldy,
+                       const float *bias, const char *next) {
     int64_t m0 = 0;
-    for (; m0 + rows <= m; m0 += rows, next = 0) tile(x, m0, rows, p, bits, k, y + m0 * ldy, ldy, bias, next);
+    for (; m0 + MR <= m; m0 += MR, next = 0) tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next);
     if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next);
     else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
 }
@@ -288,8 +290,8 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
         }
         const float *b = bias ? bias + nb * NB : 0;
         const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
-        if (bits == 4) panel_rows(x, m, p, 4, MR4, k, y + nb * NB, ldy, b, next);
-        else panel_rows(x, m, p, 8, MR8, k, y + nb * NB, ldy, b, next);
+        if (bits == 4) panel_rows(x, m, p, 4, k, y + nb * NB, ldy, b, next);
+        else panel_rows(x, m, p, 8, k, y + nb * NB, ldy, b, next);
     }
     return failed;
 }
@@ -309,8 +311,8 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
         gemv(&rows, k, n_blocks, q, s, z, (int)bits, bias, y);
         return 0;
     }
-    int64_t pass = PASS_BYTES / k / MR4 * MR4;
-    if (pass < MR4) pass = MR4;
+    int64_t pass = PASS_BYTES / k / MR * MR;
+    if (pass < MR) pass = MR;
     int failed = 0;
     /* one parallel region: quantize every row, then the passes with no barrier between them */
 #pragma omp parallel reduction(| : failed)
