@@ -80,11 +80,12 @@ def test_attend_matches_portable(fast, chunks: list[tuple[int, int]], kv_dtype: 
 @pytest.mark.parametrize("head_dim", [64, 40])  # 40: a last value chunk of 8, not 16
 def test_decode_attention_rows_do_not_depend_on_the_batch(kv_dtype: torch.dtype, head_dim: int) -> None:
     """Bit for bit: a sequence alone (one task per query head) and among 16 (one task per kv
-    head's group of query heads, keys and values read once for the group)."""
+    head's group of query heads, keys and values read once for the group). Together they are
+    over 1 MiB of keys and values, so the batch also fetches the next task's keys ahead."""
     from pypto_serving.kernels.cpu.decoder import decode_attention_cpu
 
     torch.manual_seed(0)
-    heads, kv_heads, width = 6, 2, 40
+    heads, kv_heads, width = 6, 2, 320
     batch = max(16, 2 * torch.get_num_threads())  # enough kv groups to share out: grouped tasks
     k, v = (torch.randn(batch * width // BLOCK, BLOCK, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
     slots = torch.arange(batch * width).view(batch, width)

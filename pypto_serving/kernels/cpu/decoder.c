@@ -164,26 +164,47 @@ INLINE_LOAD void prefetch_vector(const char *p, int64_t vec) {
     _mm_prefetch(p + vec - 1, _MM_HINT_T0);
 }
 
-/* out[h][j0 .. j0 + 8 w) for c (<= 3) heads, w (<= 3) vectors of 8 (both constants after
+/* Vectors to fetch a cache line at a time while other work runs (key l's vector lies at base +
+ * slots[l] * row; base NULL: nothing to fetch). Decode attention is bound by memory, and its
+ * softmax and value passes read nothing new: fetching the next task's keys then, and this
+ * task's values while its scores are computed, keeps the reads going the whole time. */
+typedef struct {
+    const char *base;
+    const int64_t *slots;
+    int64_t n, row, vec;
+    int64_t l, off; /* the next line: key l, byte off of its vector */
+} Ahead;
+
+INLINE_LOAD void ahead_step(Ahead *a, int lines) {
+    for (int c = 0; c < lines && a->l < a->n; c++) {
+        _mm_prefetch(a->base + a->slots[a->l] * a->row + a->off, _MM_HINT_T0);
+        a->off += 64;
+        if (a->off >= a->vec) a->off = 0, a->l++;
+    }
+}
+
+/* out[h][j0 .. j0 + 8 w) for c (<= 3) heads, w (<= 4) vectors of 8 (both constants after
  * inlining): the sum over the context of p[h][l] * v[l], one fma chain per element in
- * context order. With prefetch, the values PREFETCH_KEYS further on are fetched by hand (a
- * sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the trail at
- * every block). */
+ * context order (3 x 4 accumulators, 3 weights and a value fill the 16 registers). With
+ * prefetch, the values PREFETCH_KEYS further on are fetched by hand (a sequence's blocks lie
+ * anywhere in the cache, so the hardware prefetcher loses the trail at every block); a line
+ * of `ahead` per key. */
 INLINE_LOAD void weigh_values(const float *p, int64_t ld_p, const int c, const void *v_cache, const int64_t *slots,
                               int64_t n, int64_t kv_stride, int64_t j0, const int w, const float *inv, float *out,
-                              int64_t d, const int half, const int prefetch) {
+                              int64_t d, const int half, const int prefetch, Ahead *ahead) {
     const char *v_bytes = v_cache;
     int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4);
-    __m256 acc[3][3];
+    __m256 acc[3][4];
     for (int h = 0; h < c; h++)
         for (int x = 0; x < w; x++) acc[h][x] = _mm256_setzero_ps();
     for (int64_t l = 0; l < n; l++) {
         if (prefetch && l + PREFETCH_KEYS < n) prefetch_vector(v_bytes + slots[l + PREFETCH_KEYS] * row, vec);
-        __m256 v[3];
-        for (int x = 0; x < w; x++) v[x] = load_kv(v_cache, slots[l] * kv_stride + j0 + 8 * x, half);
-        for (int h = 0; h < c; h++) {
-            __m256 ph = _mm256_set1_ps(p[h * ld_p + l]);
-            for (int x = 0; x < w; x++) acc[h][x] = _mm256_fmadd_ps(ph, v[x], acc[h][x]);
+        if (ahead->base) ahead_step(ahead, 1);
+        __m256 ph[3];
+        for (int h = 0; h < c; h++) ph[h] = _mm256_set1_ps(p[h * ld_p + l]);
+        for (int x = 0; x < w; x++) {
+            __m256 v = load_kv(v_cache, slots[l] * kv_stride + j0 + 8 * x, half);
+            for (int h = 0; h < c; h++) acc[h][x] = _mm256_fmadd_ps(ph[h], v, acc[h][x]);
         }
     }
     for (int h = 0; h < c; h++) {
@@ -223,23 +244,26 @@ INLINE_LOAD void score_keys8(const float *q, int64_t g, const float *kb, int64_t
 }
 
 /* The rest of attention over n keys once their scores are in: softmax, and out[h] = p[h] @ v,
- * 24 elements of 3 heads at a time (9 independent fma chains, all in registers). */
+ * 32 elements of 3 heads at a time (12 independent fma chains, all in registers); `ahead`
+ * moves a line per key and pass. */
 INLINE_LOAD void finish_heads(int64_t g, const void *v_cache, const int64_t *slots, int64_t n, int64_t kv_stride,
                               int64_t d, float *scores, int64_t ld_scores, float *out, const int half,
-                              const int prefetch) {
+                              const int prefetch, Ahead *ahead) {
     float inv[g];
     for (int64_t h = 0; h < g; h++) inv[h] = 1.0f / softmax_in_place(scores + h * ld_scores, n);
     for (int64_t h = 0; h < g; h += 3) {
         const float *p = scores + h * ld_scores;
         int c = g - h < 3 ? (int)(g - h) : 3;
-        for (int64_t j0 = 0; j0 < d; j0 += 24) {
-            int w = d - j0 < 24 ? (int)(d - j0) / 8 : 3, pf = prefetch && j0 == 0;
-#define WEIGH(C, W) weigh_values(p, ld_scores, C, v_cache, slots, n, kv_stride, j0, W, inv + h, out + h * d, d, half, pf)
+        for (int64_t j0 = 0; j0 < d; j0 += 32) {
+            int w = d - j0 < 32 ? (int)(d - j0) / 8 : 4, pf = prefetch && j0 == 0;
+#define WEIGH(C, W) \
+    weigh_values(p, ld_scores, C, v_cache, slots, n, kv_stride, j0, W, inv + h, out + h * d, d, half, pf, ahead)
 #define WEIGH_W(C)                     \
     switch (w) {                       \
     case 1: WEIGH(C, 1); break;        \
     case 2: WEIGH(C, 2); break;        \
-    default: WEIGH(C, 3);              \
+    case 3: WEIGH(C, 3); break;        \
+    default: WEIGH(C, 4);              \
     }
             if (c == 1) WEIGH_W(1)
             else if (c == 2) WEIGH_W(2)
@@ -281,21 +305,26 @@ INLINE_LOAD void score_keys4(const float *q, const int c, const void *k_cache, c
  * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch,
  * ld_scores >= n rounded up to 8. A key vector is read once for up to 3 heads. Per head, the
  * arithmetic and its order depend only on its query and its n keys: neither grouping heads
- * nor `attend_rows`'s tiling changes a result. */
+ * nor `attend_rows`'s tiling changes a result. With `next` (the next task's keys, or base
+ * NULL for none) the values are fetched while the scores are computed, and `next` while the
+ * values are weighed. */
 INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, const void *v_cache,
                               const int64_t *slots, int64_t n, int64_t kv_stride, int64_t d, float scale,
-                              float *scores, int64_t ld_scores, float *out, const int half) {
+                              float *scores, int64_t ld_scores, float *out, const int half, Ahead *next) {
+    int64_t vec = d * (half ? 2 : 4), lines = 4 * ((vec + 63) / 64);
+    Ahead values = {next->base ? v_cache : NULL, slots, n, kv_stride * (half ? 2 : 4), vec, 0, 0};
     for (int64_t h = 0; h < g; h += 3) {
         const float *qh = q + h * d;
         float *sh = scores + h * ld_scores;
         int c = g - h < 3 ? (int)(g - h) : 3;
         for (int64_t l = 0; l < n; l += 4) {
+            if (values.base) ahead_step(&values, (int)lines);
             if (c == 3) score_keys4(qh, 3, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
             else if (c == 2) score_keys4(qh, 2, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
             else score_keys4(qh, 1, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
         }
     }
-    finish_heads(g, v_cache, slots, n, kv_stride, d, scores, ld_scores, out, half, 1);
+    finish_heads(g, v_cache, slots, n, kv_stride, d, scores, ld_scores, out, half, !values.base, next);
 }
 
 /* attend_heads for `rows` consecutive query rows of one sequence (q rows ldq apart, out rows
@@ -315,7 +344,7 @@ INLINE_LOAD void attend_rows(const float *q, int64_t ldq, int64_t rows, int64_t 
     }
     for (int64_t r = 0; r < rows; r++)
         finish_heads(g, v_cache, slots, n0 + r + 1, kv_stride, d, scores + r * g * ld_scores, ld_scores, out + r * ldo,
-                     half, 0);
+                     half, 0, &(Ahead){0});
 }
 
 /* Score rows are whole blocks of 8 keys long. */
@@ -324,28 +353,50 @@ static inline int64_t scores_stride(int64_t n) { return (n + 7) / 8 * 8; }
 /* The floats of decode_attention's scores scratch for b sequences of up to max_len keys. */
 int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len) { return b * heads * scores_stride(max_len); }
 
+/* Layers whose keys and values to read add up to less than this are likely still in cache
+ * from the last step: decode attention then skips the fetching ahead. */
+#define FETCH_AHEAD_BYTES (1 << 20)
+
 /* One query per sequence: q rows [b] (row stride ldq, heads * d used), slots [b, max_len]
  * padded, lens [b]; out [b, heads * d]. Caches float32, or float16 with kv_half.
  * d % 8 == 0 and d <= 64; scores: decode_scores_len(b, heads, max_len) floats. */
 void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
                       const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
                       const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half) {
-    int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, ld = scores_stride(max_len);
+    int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, ld = scores_stride(max_len), total = 0;
+    for (int64_t i = 0; i < b; i++) total += lens[i];
+    int fetch_ahead = 2 * total * kv_heads * d * esize >= FETCH_AHEAD_BYTES;
     /* A task: a kv head's whole group of query heads once there are enough groups to share
-     * out (its keys and values are read once for all of them), else a single head. */
+     * out (its keys and values are read once for all of them), else a single head. A thread
+     * takes its next task before it starts this one, so that it can fetch the next keys. */
     int64_t per_task = b * kv_heads >= 4 * omp_get_max_threads() ? group : 1;
-    int64_t tasks_per_seq = heads / per_task;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t task = 0; task < b * tasks_per_seq; task++) {
-        int64_t i = task / tasks_per_seq, h = task % tasks_per_seq * per_task;
-        const char *k = (const char *)k_cache + (h / group) * d * esize;
-        const char *v = (const char *)v_cache + (h / group) * d * esize;
-        const float *qh = q + i * ldq + h * d;
-        float *sc = scores + (i * heads + h) * ld, *o = out + i * heads * d + h * d;
-        if (kv_half)
-            attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, ld, o, 1);
-        else
-            attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, ld, o, 0);
+    int64_t tasks_per_seq = heads / per_task, n_tasks = b * tasks_per_seq, taken = 0;
+#pragma omp parallel
+    {
+        int64_t task, next;
+#pragma omp atomic capture
+        next = taken++;
+        while ((task = next) < n_tasks) {
+#pragma omp atomic capture
+            next = taken++;
+            Ahead ahead = {0};
+            if (fetch_ahead && next < n_tasks) {
+                int64_t i = next / tasks_per_seq, h = next % tasks_per_seq * per_task;
+                ahead = (Ahead){(const char *)k_cache + (h / group) * d * esize, slots + i * max_len, lens[i],
+                                kv_heads * d * esize, d * esize, 0, 0};
+            }
+            int64_t i = task / tasks_per_seq, h = task % tasks_per_seq * per_task;
+            const char *k = (const char *)k_cache + (h / group) * d * esize;
+            const char *v = (const char *)v_cache + (h / group) * d * esize;
+            const float *qh = q + i * ldq + h * d;
+            float *sc = scores + (i * heads + h) * ld, *o = out + i * heads * d + h * d;
+            if (kv_half)
+                attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, ld, o, 1,
+                             &ahead);
+            else
+                attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, ld, o, 0,
+                             &ahead);
+        }
     }
 }
 
