@@ -381,8 +381,8 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
             next = taken++;
             Ahead ahead = {0};
             if (fetch_ahead && next < n_tasks) {
-                int64_t i = next / tasks_per_seq, h = next % tasks_per_seq * per_task;
-                ahead = (Ahead){(const char *)k_cache + (h / group) * d * esize, slots + i * max_len, lens[i],
+                int64_t next_seq = next / tasks_per_seq, next_kv = next % tasks_per_seq * per_task / group;
+                ahead = (Ahead){(const char *)k_cache + next_kv * d * esize, slots + next_seq * max_len, lens[next_seq],
                                 kv_heads * d * esize, d * esize, 0, 0};
             }
             int64_t i = task / tasks_per_seq, h = task % tasks_per_seq * per_task;
