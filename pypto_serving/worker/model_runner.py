@@ -21,7 +21,7 @@ from pypto_serving.actors.device_worker import (
 from pypto_serving.kernels.sampling import SamplerOutput, sample
 from pypto_serving.loader.hf import count_safetensors, load_safetensors
 from pypto_serving.models import LayerFactory, build_model, load_weights
-from pypto_serving.models.decode_stack import DecodeStack
+from pypto_serving.models.decoder_stack import DecoderStack
 from pypto_serving.sampling import SamplingParams
 from pypto_serving.worker.batch import StepBatch, prepare
 from pypto_serving.worker.grammar import Grammars, advance
@@ -93,8 +93,8 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.max_num_blocks)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         self.kv_caches = self._allocate(self.num_blocks)
-        # Decode steps in one C call where the per-layer path would use the C kernels anyway.
-        self.stack = DecodeStack.build(self.model, self.kv_caches) if fast else None
+        # Every step in one C call where the per-layer path would use the C kernels anyway.
+        self.stack = DecoderStack.build(self.model, self.kv_caches) if fast else None
         self._prefilled = False  # the last step had prefill rows (large activations)
         self._trimmed_at = float("-inf")
         if self.device.type == "cpu":

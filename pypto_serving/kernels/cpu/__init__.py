@@ -32,13 +32,13 @@ SIGNATURES = {
     "rope_write_kv": [_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I],
     "decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P, _P, _I],
     "prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _P, _I],
-    "decode_stack": [_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P],
+    "step_stack": [_P, _P, _P, _P, _P, _P, _I, _P],
     "decode_scores_len": [_I, _I, _I],
 }
 
 
 # a status (0, or -1 when out of memory) or a size
-RETURNS_INT = {"decode_stack", "qlinear_q8", "prefill_attention", "decode_scores_len"}
+RETURNS_INT = {"step_stack", "qlinear_q8", "prefill_attention", "decode_scores_len"}
 
 
 def _cache_dir() -> Path:

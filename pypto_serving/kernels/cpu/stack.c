@@ -1,9 +1,11 @@
-/* A whole decode step's decoder stack in one call: every layer of a Llama-family model for
- * t single-query sequences, from the token embeddings to the final norm.
+/* A whole step's decoder stack in one call: every layer of a Llama-family model for the
+ * step's t tokens, from the token embeddings to the final norm. The tokens are single-query
+ * (decode) rows and prefill chunks, in any mix.
  *
  * It runs exactly the kernels (and in the same order, with the same arithmetic) that the
- * model's per-layer Python path calls one by one for a decode step, so its output is the same
- * bit for bit; what it removes is ~15 Python and ctypes round trips per layer.
+ * model's per-layer Python path calls one by one, so its output is the same bit for bit; what
+ * it removes is ~15 Python and ctypes round trips per layer, and for a prefill chunk the
+ * copies of q and of the attention output that the per-layer path makes.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +25,9 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
                       const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
                       const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half);
 int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len);
+int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t heads, int64_t kv_heads, int64_t d,
+                          const void *k_cache, const void *v_cache, const int64_t *ctx_slots, int64_t n_ctx,
+                          float scale, float *out, int64_t kv_half);
 
 /* A packed linear (see qlinear.c); its output width n_blocks * 16 is the layer's exact width. */
 typedef struct {
@@ -45,6 +50,27 @@ typedef struct {
     const float *final_norm;
 } Shape;
 
+/* A prefill chunk: rows start .. start + n - 1 of the step, the last n of its n_ctx context
+ * slots ctx_slots [n_ctx] (a cached prefix and earlier chunks come first). */
+typedef struct {
+    int64_t start, n;
+    const int64_t *ctx_slots;
+    int64_t n_ctx;
+} Chunk;
+
+/* What each of the step's t rows attends to. slots [t]: where each row's k and v go.
+ * Single-query rows: decode_rows [n_decode] (NULL: rows 0 .. n_decode - 1, every row of the
+ * step), their context slots ctx_slots [n_decode, max_len] (padded) and lengths lens
+ * [n_decode]. Then n_chunks prefill chunks. */
+typedef struct {
+    int64_t t;
+    const int64_t *slots;
+    int64_t n_decode;
+    const int64_t *decode_rows, *ctx_slots, *lens;
+    int64_t max_len, n_chunks;
+    const Chunk *chunks;
+} StepRows;
+
 /* Returns nonzero when out of memory. */
 static int64_t linear(const Shape *sh, const QLinear *w, const float *x, int64_t t, float *y) {
     if (sh->int8_act) return qlinear_q8(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y);
@@ -52,22 +78,51 @@ static int64_t linear(const Shape *sh, const QLinear *w, const float *x, int64_t
     return 0;
 }
 
+/* Scratch for the single-query rows when they are not the whole step: their q rows gathered
+ * and their outputs, before these go back to their rows. */
+typedef struct {
+    float *scores, *q, *out;
+} DecodeScratch;
+
+/* Every row's attention over the layer's cache (qkv rows [t, width], rotated and written):
+ * out [t, heads * d]. Returns nonzero when out of memory. */
+static int64_t attend(const Shape *sh, const Layer *L, const StepRows *r, const float *qkv, int64_t width,
+                      const DecodeScratch *ds, float *out) {
+    int64_t d = sh->head_dim, aw = sh->heads * d;
+    if (r->n_decode && !r->decode_rows) {
+        decode_attention(qkv, width, r->n_decode, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, r->ctx_slots,
+                         r->max_len, r->lens, sh->scale, ds->scores, out, sh->kv_half);
+    } else if (r->n_decode) {
+        for (int64_t i = 0; i < r->n_decode; i++) memcpy(ds->q + i * aw, qkv + r->decode_rows[i] * width, aw * 4);
+        decode_attention(ds->q, aw, r->n_decode, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, r->ctx_slots,
+                         r->max_len, r->lens, sh->scale, ds->scores, ds->out, sh->kv_half);
+        for (int64_t i = 0; i < r->n_decode; i++) memcpy(out + r->decode_rows[i] * aw, ds->out + i * aw, aw * 4);
+    }
+    for (int64_t c = 0; c < r->n_chunks; c++) {
+        const Chunk *ch = r->chunks + c;
+        if (prefill_attention(qkv + ch->start * width, width, ch->n, sh->heads, sh->kv_heads, d, L->k_cache,
+                              L->v_cache, ch->ctx_slots, ch->n_ctx, sh->scale, out + ch->start * aw, sh->kv_half))
+            return -1;
+    }
+    return 0;
+}
+
 /* x [t, hidden]: the embeddings of the step's tokens (overwritten: it becomes the residual).
- * cos/sin rows [t] with row stride ld_cs; slots [t] where each token's k/v goes; ctx_slots
- * [t, max_len] and lens [t] each sequence's context. out [t, hidden]: final-normed hidden.
+ * cos/sin rows [t] with row stride ld_cs. out [t, hidden]: final-normed hidden.
  * Returns 0, or -1 when its scratch memory cannot be allocated. */
-int64_t decode_stack(const Shape *sh, const Layer *layers, int64_t t, float *x, const float *cos, const float *sin,
-                  int64_t ld_cs, const int64_t *slots, const int64_t *ctx_slots, int64_t max_len,
-                  const int64_t *lens, float *out) {
-    int64_t hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
-    int64_t attn_width = sh->heads * d;
-    size_t floats = (size_t)t * (hidden * 2 + width + attn_width + 3 * sh->intermediate) +
-                    (size_t)decode_scores_len(t, sh->heads, max_len);
+int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, float *x, const float *cos,
+                   const float *sin, int64_t ld_cs, float *out) {
+    int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
+    int64_t attn_width = sh->heads * d, gathered = r->decode_rows ? r->n_decode * attn_width : 0;
+    size_t floats = (size_t)t * (hidden * 2 + width + attn_width + 3 * sh->intermediate) + 2 * gathered +
+                    (size_t)decode_scores_len(r->n_decode, sh->heads, r->max_len);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
     float *normed = buf, *qkv = normed + t * hidden, *attn = qkv + t * width, *proj = attn + t * attn_width;
     float *gate_up = proj + t * hidden, *act = gate_up + t * 2 * sh->intermediate;
-    float *scores = act + t * sh->intermediate;
+    DecodeScratch ds = {act + t * sh->intermediate, 0, 0};
+    ds.q = ds.scores + decode_scores_len(r->n_decode, sh->heads, r->max_len);
+    ds.out = ds.q + gathered;
     float *residual = x;
     int64_t failed = 0;
     for (int64_t l = 0; l < sh->layers; l++) {
@@ -75,10 +130,9 @@ int64_t decode_stack(const Shape *sh, const Layer *layers, int64_t t, float *x, 
         /* layer 0 normalizes the embeddings; later layers add the last MLP output first */
         add_rms_norm(l ? proj : NULL, residual, L->input_norm, sh->eps, t, hidden, normed);
         if ((failed = linear(sh, &L->qkv, normed, t, qkv))) break;
-        rope_write_kv(qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, slots, L->k_cache, L->v_cache,
+        rope_write_kv(qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
                       sh->kv_half);
-        decode_attention(qkv, width, t, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, ctx_slots, max_len,
-                         lens, sh->scale, scores, attn, sh->kv_half);
+        if ((failed = attend(sh, L, r, qkv, width, &ds, attn))) break;
         if ((failed = linear(sh, &L->o, attn, t, proj))) break;
         add_rms_norm(proj, residual, L->post_norm, sh->eps, t, hidden, normed);
         if ((failed = linear(sh, &L->gate_up, normed, t, gate_up))) break;

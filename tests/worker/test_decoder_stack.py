@@ -1,4 +1,5 @@
-"""The one-call decode stack gives exactly the per-layer path's logits, and is used."""
+"""The one-call decoder stack gives exactly the per-layer path's logits in every kind of step
+(prefill, decode, and the two mixed), and is used for all of them."""
 
 from __future__ import annotations
 
@@ -7,19 +8,26 @@ import torch
 
 from pypto_serving.kernels import cpu
 from pypto_serving.sampling import SamplingParams
-from tests.worker.tiny_models import Driver
+from tests.worker.tiny_models import BLOCK_SIZE, Driver
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
-PROMPTS = [[(5 * i + 11 + j) % 256 for i in range(n)] for j, n in enumerate((9, 3, 14))]
+PROMPTS = [[(5 * i + 11 + j) % 256 for i in range(n)] for j, n in enumerate((9, 3, 14, 23))]
 
 
-def decode_logits(d: Driver, steps: int) -> list[torch.Tensor]:
-    """Prefill three sequences of different lengths, then `steps` batched decode steps."""
-    _, logits = d.step([d.add(i, p, len(p), SamplingParams(temperature=1.0, seed=i))
-                        for i, p in enumerate(PROMPTS)])
-    out = [logits]
-    for _ in range(steps):
-        out.append(d.step([d.next(i) for i in range(len(PROMPTS))])[1])
+def steps_of_every_kind(d: Driver) -> list[torch.Tensor]:
+    """Prefill three sequences of different lengths, decode them, then steps where a fourth
+    prompt's chunks come first (so the decode rows are not the step's first rows), one where
+    its prefix is cached, and decode steps again. The logits of every step."""
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
+    out = [d.step([d.add(i, p, len(p), params[i]) for i, p in enumerate(PROMPTS[:3])])[1]]
+    out.append(d.step([d.next(i) for i in range(3)])[1])
+    for _ in range(2):  # the fourth prompt in chunks of 5 and 6 rows next to three decode rows
+        first = d.add(3, PROMPTS[3], 5, params[3]) if 3 not in d.tokens else d.next(3, 6)
+        out.append(d.step([first, *(d.next(i) for i in range(3))])[1])
+    shared = d.blocks[3][: len(PROMPTS[3][:11]) // BLOCK_SIZE]  # full blocks of its first chunks
+    out.append(d.step([d.next(0), d.add(4, PROMPTS[3], 16, params[3], shared_blocks=shared), d.next(1)])[1])
+    for _ in range(3):
+        out.append(d.step([d.next(i) for i in (0, 1, 2, 4)])[1])
     return out
 
 
@@ -38,8 +46,8 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str,
     fast.runner.stack = type("Counting", (), {
         "applies": lambda self, *a: stack.applies(*a),
         "__call__": lambda self, *a: calls.append(1) or stack(*a)})()
-    got, want = decode_logits(fast, 6), decode_logits(slow, 6)
-    assert len(calls) == 6  # every decode step, not the prefill
+    got, want = steps_of_every_kind(fast), steps_of_every_kind(slow)
+    assert len(calls) == len(got) == 8  # every step
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     assert fast.tokens == slow.tokens
@@ -52,9 +60,9 @@ def test_no_stack_where_it_does_not_fit(driver) -> None:
 
 @pytest.mark.parametrize("activations", ["none", "int8"])
 def test_decode_rows_of_mixed_steps_equal_decode_only_steps(driver, activations: str) -> None:
-    """A sequence decoding next to another's prefill chunk (per-layer path) gets the logits it
-    gets in a decode-only step (the stack): with int8 activations a last-bit difference in
-    attention would flip roundings and change greedy text under load."""
+    """A sequence decoding next to another's prefill chunk gets the logits it gets in a
+    decode-only step: with int8 activations a last-bit difference in attention would flip
+    roundings and change greedy text under load."""
     config = {"quantization": "int4", "activation_quantization": activations}
     alone, _ = driver("llama", **config)
     mixed, _ = driver("llama", **config)
@@ -64,6 +72,6 @@ def test_decode_rows_of_mixed_steps_equal_decode_only_steps(driver, activations:
         for step in range(4):
             seqs = [d.next(0)]
             if joins:  # another request's prefill in the same step, in chunks of 5 tokens
-                seqs.append(d.add(1 + step, PROMPTS[2], 5))
-            out.append(d.step(seqs)[1][0])
+                seqs.insert(step % 2, d.add(1 + step, PROMPTS[2], 5))
+            out.append(d.step(seqs)[1][0])  # the chunk samples nothing
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -1,14 +1,16 @@
-"""A decode step's whole decoder stack as one C call (kernels/cpu/stack.c), CPU fast path.
+"""A step's whole decoder stack as one C call (kernels/cpu/stack.c), CPU fast path.
 
 At batch 1 a SmolLM2 decode step is ~120 packed matmuls and ~150 small fused kernels; called
-one by one from Python, their dispatch took about as long as their arithmetic. `DecodeStack`
-describes every layer's weights and KV cache to the C side once (ctypes structs holding raw
-pointers; the model and the caches keep the tensors alive), then runs a step of
-single-query sequences in one call. The kernels and their order are those of the per-layer
-path, so the hidden states are the same bit for bit (tests/models check it).
+one by one from Python, their dispatch took about as long as their arithmetic, and a 512-token
+prefill step spent ~28 ms (6%) outside the kernels, in that dispatch and in the copies of q
+and of the attention output. `DecoderStack` describes every layer's weights and KV cache to
+the C side once (ctypes structs holding raw pointers; the model and the caches keep the
+tensors alive), then runs each step, decode rows and prefill chunks in any mix, in one call.
+The kernels and their order are those of the per-layer path, so the hidden states are the
+same bit for bit (tests/worker check it).
 Used only where that path would use the same fused kernels: packed weights whose widths fill
-whole panels, no q/k norms (Qwen3), head_dim <= 64, every row a decode row. With int8
-activations (`--activation-quantization`) the stack's linears are qdot.c's, as in that path.
+whole panels, no q/k norms (Qwen3), head_dim <= 64. With int8 activations
+(`--activation-quantization`) the stack's linears are qdot.c's, as in that path.
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ class _Layer(ctypes.Structure):
                 ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", _P), ("v_cache", _P)]
 
 
+class _Chunk(ctypes.Structure):
+    _fields_ = [("start", _I), ("n", _I), ("ctx_slots", _P), ("n_ctx", _I)]
+
+
+class _StepRows(ctypes.Structure):
+    _fields_ = [("t", _I), ("slots", _P), ("n_decode", _I), ("decode_rows", _P), ("ctx_slots", _P),
+                ("lens", _P), ("max_len", _I), ("n_chunks", _I), ("chunks", ctypes.POINTER(_Chunk))]
+
+
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
                 ("intermediate", _I), ("kv_half", _I), ("int8_act", _I), ("eps", ctypes.c_float),
@@ -54,7 +65,7 @@ def _fills_panels(m: torch.nn.Module) -> bool:
     return isinstance(m, QuantLinear) and m.weight.packed.n % PANEL == 0
 
 
-class DecodeStack:
+class DecoderStack:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]):
         from pypto_serving.kernels.cpu import library
 
@@ -77,7 +88,7 @@ class DecodeStack:
         self._caches = kv_caches  # kept alive: the structs point into them
 
     @staticmethod
-    def build(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecodeStack | None:
+    def build(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecoderStack | None:
         """The stack when the model and caches fit it and the C kernels run here, else None."""
         from pypto_serving.kernels import cpu
 
@@ -95,23 +106,46 @@ class DecodeStack:
             and all(k.dtype == v.dtype and k.dtype in (torch.float16, torch.float32)
                     and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         )
-        return DecodeStack(model, kv_caches) if fits else None
+        return DecoderStack(model, kv_caches) if fits else None
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
-        return meta.all_decode and meta.decode_lens is not None and kv_caches is self._caches
+        """Decode rows come with their context lengths (the C attention's input)."""
+        return (meta.decode_rows is None or meta.decode_lens is not None) and kv_caches is self._caches
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] (one per sequence) -> final hidden states [T, hidden]."""
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self._model.model.embed_tokens(input_ids)  # becomes the residual stream
         cos, sin = rotary_cos_sin(self._model.rope, positions, x.dtype)  # [T, 1, d / 2] views
-        slots = meta.slot_mapping.contiguous()
-        ctx, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
+        rows, keep = _step_rows(meta, x.shape[0])
         out = torch.empty_like(x)
-        status = self._lib.decode_stack(
-            ctypes.byref(self._shape), self._layers, x.shape[0], x.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), cos.stride(0), slots.data_ptr(), ctx.data_ptr(), ctx.shape[1],
-            lens.data_ptr(), out.data_ptr())
+        status = self._lib.step_stack(ctypes.byref(self._shape), self._layers, ctypes.byref(rows),
+                                      x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                                      out.data_ptr())
+        del keep
         if status != 0:
-            raise MemoryError(f"decode stack: no memory for the scratch of {x.shape[0]} sequences")
+            raise MemoryError(f"decoder stack: no memory for the scratch of a {x.shape[0]}-token step")
         return out
+
+
+def _step_rows(meta: AttentionMetadata, tokens: int) -> tuple[_StepRows, list[object]]:
+    """The C description of what each row attends to, and what its pointers point into."""
+    slots = meta.slot_mapping.contiguous()
+    rows, keep = _StepRows(tokens, slots.data_ptr()), [slots]
+    if meta.decode_rows is not None:
+        ctx, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
+        keep += [ctx, lens]
+        rows.n_decode, rows.max_len = lens.shape[0], ctx.shape[1]
+        rows.ctx_slots, rows.lens = ctx.data_ptr(), lens.data_ptr()
+        if not meta.all_decode:  # else the decode rows are rows 0 .. T - 1
+            decode_rows = meta.decode_rows.contiguous()
+            keep.append(decode_rows)
+            rows.decode_rows = decode_rows.data_ptr()
+    if meta.prefills:
+        ctx_slots = [seg.ctx_slots.contiguous() for seg in meta.prefills]
+        chunks = (_Chunk * len(ctx_slots))(*(
+            _Chunk(seg.start, seg.end - seg.start, s.data_ptr(), s.shape[0])
+            for seg, s in zip(meta.prefills, ctx_slots, strict=True)))
+        keep += [*ctx_slots, chunks]
+        rows.n_chunks, rows.chunks = len(ctx_slots), chunks
+    return rows, keep
