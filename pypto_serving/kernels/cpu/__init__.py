@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("qlinear.c", "qdot.c", "decoder.c", "stack.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("qlinear.c", "qdot.c", "decoder.c", "stack.c", "sampling.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -34,6 +35,7 @@ SIGNATURES = {
     "prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _P, _I],
     "step_stack": [_P, _P, _P, _P, _P, _P, _I, _P],
     "decode_scores_len": [_I, _I, _I],
+    "argmax_rows": [_P, _I, _I, _I, _P],
 }
 
 
