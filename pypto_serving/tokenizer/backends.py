@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-import sentencepiece
 import tokenizers
 
 _SPACE = "\u2581"  # SentencePiece's visible space
@@ -79,6 +78,8 @@ class SentencePieceBackend:
         add_bos_eos: tuple[bool, bool],
         legacy: bool = False,
     ) -> None:
+        import sentencepiece  # only SentencePiece models need it (~8 MiB once imported)
+
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
         controls = {i: (self._sp.id_to_piece(i), True) for i in self._control_ids()}
         self._added = {**controls, **added_tokens}  # id -> (content, special)
