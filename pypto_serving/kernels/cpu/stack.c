@@ -114,13 +114,15 @@ int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, floa
                    const float *sin, int64_t ld_cs, float *out) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
     int64_t attn_width = sh->heads * d, gathered = r->decode_rows ? r->n_decode * attn_width : 0;
-    size_t floats = (size_t)t * (hidden * 2 + width + attn_width + 3 * sh->intermediate) + 2 * gathered +
+    /* qkv and attn are dead by the time gate_up and act are written: they share a region */
+    int64_t shared = width + attn_width > 3 * sh->intermediate ? width + attn_width : 3 * sh->intermediate;
+    size_t floats = (size_t)t * (hidden * 2 + shared) + 2 * gathered +
                     (size_t)decode_scores_len(r->n_decode, sh->heads, r->max_len);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
-    float *normed = buf, *qkv = normed + t * hidden, *attn = qkv + t * width, *proj = attn + t * attn_width;
-    float *gate_up = proj + t * hidden, *act = gate_up + t * 2 * sh->intermediate;
-    DecodeScratch ds = {act + t * sh->intermediate, 0, 0};
+    float *normed = buf, *proj = normed + t * hidden, *qkv = proj + t * hidden, *attn = qkv + t * width;
+    float *gate_up = qkv, *act = gate_up + t * 2 * sh->intermediate;
+    DecodeScratch ds = {qkv + t * shared, 0, 0};
     ds.q = ds.scores + decode_scores_len(r->n_decode, sh->heads, r->max_len);
     ds.out = ds.q + gathered;
     float *residual = x;
