@@ -1,7 +1,10 @@
 """Weight-only quantized linear layers: packing, and the portable matmul over packed weights.
 
 Weights are stored in panels of 16 output rows with one fp16 scale and zero per row and
-group of 32 along K (w = q * scale + zero), the layout the CPU kernel in `kernels/cpu` reads:
+group of 32 along K (w = q * scale + zero), the layout the CPU kernels in `kernels/cpu` read.
+Levels are stored in "quads": for each 4 consecutive k, the 4 levels of a row side by side
+(32 bits, which one vpmaddubsw + vpmaddwd sums against 4 activations), rows 0..7 then rows
+8..15, so the int8 kernels load a panel as it is stored:
   int8: symmetric, q in [-127, 127], zero 0 (exact for GGUF Q8_0 weights);
   int4: asymmetric, q in [0, 15], zero = group minimum (exact for GGUF Q4_1 weights, whose
         groups span their 16 levels; `pack` reports how far any weight moved).
@@ -25,7 +28,10 @@ LEVELS = {4: 15, 8: 127}
 class PackedWeight:
     """An [n, k] weight, n padded to a multiple of 16 inside the panels."""
 
-    q: torch.Tensor  # uint8 [n_pad / 16, k, 8] (4 bits) or int8 [n_pad / 16, k, 16] (8 bits)
+    # [n_pad / 16, k / 4, 64] int8 (8 bits): byte 32 h + 4 r + i = row 8 h + r at k = 4 j + i;
+    # [n_pad / 16, k / 4, 32] uint8 (4 bits): byte 4 r + i = row r (low nibble) and row r + 8
+    # (high nibble) at k = 4 j + i.
+    q: torch.Tensor
     scale: torch.Tensor  # fp16 [n_pad / 16, k / 32, 16]
     zero: torch.Tensor  # fp16 [n_pad / 16, k / 32, 16]
     bits: int
@@ -72,13 +78,15 @@ def _scale_zero(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _panel_q(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """[n_pad, k] integer levels -> [n_pad / 16, k, 16] (int8) or [.., k, 8] nibble pairs."""
+    """[n_pad, k] integer levels -> the panels' quads (see `PackedWeight.q`)."""
     n_pad, k = q.shape
-    lanes = q.view(n_pad // PANEL, PANEL, k).transpose(1, 2)
+    # [panel, half, row, quad, i] -> [panel, quad, half, row, i]
+    quads = q.view(n_pad // PANEL, 2, PANEL // 2, k // 4, 4).permute(0, 3, 1, 2, 4)
     if bits == 8:
-        return lanes.to(torch.int8).contiguous()
-    nibbles = lanes.to(torch.uint8)
-    return (nibbles[..., :8] | (nibbles[..., 8:] << 4)).contiguous()
+        return quads.to(torch.int8).reshape(n_pad // PANEL, k // 4, 4 * PANEL).contiguous()
+    nibbles = quads.to(torch.uint8)
+    packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)  # rows 0..7 low, rows 8..15 high
+    return packed.reshape(n_pad // PANEL, k // 4, 2 * PANEL).contiguous()
 
 
 def _panel_groups(values: torch.Tensor) -> torch.Tensor:
@@ -89,11 +97,14 @@ def _panel_groups(values: torch.Tensor) -> torch.Tensor:
 
 def unpack_levels(w: PackedWeight) -> torch.Tensor:
     """The integer levels as [n_pad, k] float32."""
+    panels = w.q.shape[0]
     if w.bits == 8:
-        lanes = w.q.float()
+        quads = w.q.view(panels, w.k // 4, 2, PANEL // 2, 4)
     else:
-        lanes = torch.cat([w.q & 15, w.q >> 4], dim=-1).float()
-    return lanes.transpose(1, 2).reshape(-1, w.k)
+        nibbles = w.q.view(panels, w.k // 4, PANEL // 2, 4)
+        quads = torch.stack([nibbles & 15, nibbles >> 4], dim=2)
+    # [panel, quad, half, row, i] -> [panel, half, row, quad, i]
+    return quads.permute(0, 2, 3, 1, 4).reshape(-1, w.k).float()
 
 
 def dequantize(w: PackedWeight) -> torch.Tensor:

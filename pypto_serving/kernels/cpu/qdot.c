@@ -12,9 +12,9 @@
  * per instruction where the fp32 kernels do 8.
  *
  * Dot products use "k-quads": a 32-bit lane holds one output row's levels at 4 consecutive k,
- * so vpmaddubsw + vpmaddwd sum them against the same 4 bytes of x broadcast to every lane.
- * The stored panels hold one k per 8 or 16 bytes; `quads4` / `quads8` transpose 4 k of a
- * panel into two registers of quads (rows 0..7 and rows 8..15).
+ * so vpmaddubsw + vpmaddwd sum them against the same 4 bytes of x broadcast to every lane. The
+ * panels are stored in quads (kernels/quant_linear.py): 4 k of a panel are one register of
+ * int8 levels per 8 rows, or one register of nibbles for all 16.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -31,35 +31,18 @@
 
 INLINE __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* Within each 128-bit lane: byte pairs (row j at k, row j at k + 1) from two 8-byte k rows. */
-INLINE __m256i pair_rows(__m256i v) {
-    const __m256i c = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                       0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    return _mm256_shuffle_epi8(v, c);
-}
-
-/* Lane 0 holds pairs (k, k+1) of rows 0..7, lane 1 pairs (k+2, k+3): -> quads of rows 0..7. */
-INLINE __m256i pairs_to_quads(__m256i v) {
-    const __m256i c = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
-                                       0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
-    return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), c);
-}
-
-/* 4-bit panel, k .. k+3 (8 bytes per k: byte j = row j low nibble, row j + 8 high). */
+/* 4-bit panel, k .. k+3: 32 bytes, byte 4 r + i = row r (low nibble) and row r + 8 (high) at k + i. */
 INLINE void quads4(const uint8_t *q, int64_t k, __m256i *a, __m256i *b) {
-    __m256i v = pairs_to_quads(pair_rows(_mm256_loadu_si256((const __m256i *)(q + k * 8))));
+    __m256i v = _mm256_loadu_si256((const __m256i *)(q + k * 8));
     const __m256i low = _mm256_set1_epi8(15);
     *a = _mm256_and_si256(v, low);
     *b = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 }
 
-/* 8-bit panel, k .. k+3 (16 bytes per k: byte j = row j). */
+/* 8-bit panel, k .. k+3: 64 bytes, rows 0..7 then rows 8..15, byte 4 r + i = row r at k + i. */
 INLINE void quads8(const uint8_t *q, int64_t k, __m256i *a, __m256i *b) {
-    __m256i c0 = _mm256_loadu_si256((const __m256i *)(q + k * 16));      /* k | k+1 */
-    __m256i c1 = _mm256_loadu_si256((const __m256i *)(q + k * 16 + 32)); /* k+2 | k+3 */
-    __m256i p0 = _mm256_permute2x128_si256(c0, c1, 0x20), p1 = _mm256_permute2x128_si256(c0, c1, 0x31);
-    *a = pairs_to_quads(_mm256_unpacklo_epi8(p0, p1));
-    *b = pairs_to_quads(_mm256_unpackhi_epi8(p0, p1));
+    *a = _mm256_loadu_si256((const __m256i *)(q + k * 16));
+    *b = _mm256_loadu_si256((const __m256i *)(q + k * 16 + 32));
 }
 
 INLINE __m256i quad_of(const int8_t *xq) {
@@ -186,7 +169,8 @@ static void gemv(const Rows *x, int64_t k, int64_t n_blocks, const uint8_t *q, c
 
 /* ---- M > 1: a panel's quads, scales and zeros made once into scratch and reused by every row ---- */
 
-/* A panel in scratch: quads [k / 4][2], then per group 16 scales and 16 zeros as floats. */
+/* A panel's quads [k / 4][2] (int8: the stored panel itself; int4: unpacked into scratch) and
+ * per group its 16 scales and 16 zeros as floats (in scratch). */
 typedef struct {
     const __m256i *quads;
     const float *sz;
@@ -209,7 +193,7 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
         __m256i t[MR][2];
 #pragma GCC unroll 8
         for (int j = 0; j < QUADS; j++) {
-            __m256i a = _mm256_load_si256(qg + 2 * j), b = _mm256_load_si256(qg + 2 * j + 1);
+            __m256i a = _mm256_loadu_si256(qg + 2 * j), b = _mm256_loadu_si256(qg + 2 * j + 1);
             for (int r = 0; r < mr; r++) {
                 __m256i xv = quad_of(xr[r] + g * GROUP + 4 * j);
                 t[r][0] = quad_dot(t[r][0], a, xv, bits, j == 0);
@@ -251,21 +235,24 @@ INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, int64_
 static __thread __m256i *scratch;
 static __thread int64_t scratch_len;
 
-/* The panel's quads, scales and zeros in this thread's scratch; .quads NULL when out of memory. */
+/* The panel's quads (int4: unpacked into this thread's scratch) and its scales and zeros as
+ * floats in that scratch; .quads NULL when out of memory. */
 static Panel panel_prepare(const uint8_t *q, const uint16_t *scale, const uint16_t *zero, int bits, int64_t k) {
-    int64_t groups = k / GROUP, need = k / 2 + groups * 4; /* 4 registers' worth of floats per group */
+    int64_t groups = k / GROUP, levels = bits == 4 ? k / 2 : 0;
+    int64_t need = levels + groups * 4; /* 4 registers' worth of floats per group */
     if (scratch_len < need) {
         free(scratch);
         scratch = aligned_alloc(64, (size_t)need * sizeof(__m256i));
         scratch_len = scratch ? need : 0;
     }
-    Panel p = {scratch, (const float *)(scratch + k / 2)};
-    if (!scratch) return p;
-    for (int64_t i = 0; i < k; i += 4) {
-        if (bits == 4) quads4(q, i, scratch + i / 2, scratch + i / 2 + 1);
-        else quads8(q, i, scratch + i / 2, scratch + i / 2 + 1);
+    Panel p = {bits == 4 ? scratch : (const __m256i *)q, (const float *)(scratch + levels)};
+    if (!scratch) {
+        p.quads = 0;
+        return p;
     }
-    float *sz = (float *)(scratch + k / 2);
+    if (bits == 4)
+        for (int64_t i = 0; i < k; i += 4) quads4(q, i, scratch + i / 2, scratch + i / 2 + 1);
+    float *sz = (float *)(scratch + levels);
     for (int64_t g = 0; g < groups; g++)
         for (int h = 0; h < NB; h += 8) {
             _mm256_store_ps(sz + g * 2 * NB + h, half8(scale + g * NB + h));

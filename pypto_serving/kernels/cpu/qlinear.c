@@ -1,8 +1,9 @@
 /* Weight-only quantized linear layers for x86-64 CPUs with AVX2, FMA and F16C.
  *
  * y[M, N] = x[M, K] @ W^T (+ bias), W stored as panels of 16 output rows:
- *   q      [N/16][K][16] int8 (bits 8) or [N/16][K][8] bytes of nibbles (bits 4: byte j
- *          holds row j in its low nibble and row j + 8 in its high one, unsigned);
+ *   q      [N/16][K/4] quads (kernels/quant_linear.py): bits 8, 64 bytes, byte 32 h + 4 r + i
+ *          = row 8 h + r at k = 4 j + i (int8); bits 4, 32 bytes, byte 4 r + i = row r in its
+ *          low nibble and row r + 8 in its high one at k = 4 j + i (unsigned);
  *   scale  [N/16][K/32][16] fp16 and zero [N/16][K/32][16] fp16 per group of 32 along K:
  *          w = q * scale + zero.
  *
@@ -24,17 +25,27 @@
 
 INLINE __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* Levels of rows 0..7 (a) and 8..15 (b) of a panel at one k, as floats. */
+/* Levels of rows 0..7 (a) and 8..15 (b) of a panel at one k, as floats: every 4th byte of
+ * the k's quad register(s), from k % 4 on. */
 INLINE void levels(const uint8_t *q, int64_t k, const int bits, __m256 *a, __m256 *b) {
+    /* in each 128-bit lane, bytes i, 4 + i, 8 + i, 12 + i to the lane's first 4; then the two
+     * lanes' first dwords side by side: 8 rows' bytes in the low 64 bits */
+    const __m256i pick = _mm256_set1_epi32(0x0C080400 + 0x01010101 * (int)(k & 3));
+    const __m256i join = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
     __m256i ia, ib;
     if (bits == 4) {
-        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 8)));
-        ia = _mm256_and_si256(v, _mm256_set1_epi32(15));
-        ib = _mm256_srli_epi32(v, 4);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(q + (k >> 2) * 32));
+        v = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, pick), join);
+        __m256i w = _mm256_cvtepu8_epi32(_mm256_castsi256_si128(v));
+        ia = _mm256_and_si256(w, _mm256_set1_epi32(15));
+        ib = _mm256_srli_epi32(w, 4);
     } else {
-        const int8_t *p = (const int8_t *)q + k * 16;
-        ia = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-        ib = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+        const uint8_t *p = q + (k >> 2) * 64;
+        __m256i lo = _mm256_loadu_si256((const __m256i *)p), hi = _mm256_loadu_si256((const __m256i *)(p + 32));
+        lo = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(lo, pick), join);
+        hi = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(hi, pick), join);
+        ia = _mm256_cvtepi8_epi32(_mm256_castsi256_si128(lo));
+        ib = _mm256_cvtepi8_epi32(_mm256_castsi256_si128(hi));
     }
     *a = _mm256_cvtepi32_ps(ia);
     *b = _mm256_cvtepi32_ps(ib);
@@ -246,8 +257,9 @@ void qgather(const int64_t *ids, int64_t t, int64_t k, const uint8_t *q, const u
         const uint8_t *pq = q + nb * qbytes;
         for (int64_t kk = 0; kk < k; kk++) {
             int64_t g = (nb * groups + kk / GROUP) * NB + lane;
-            int qv = bits == 4 ? (lane < 8 ? pq[kk * 8 + lane] & 15 : pq[kk * 8 + lane - 8] >> 4)
-                               : ((const int8_t *)pq)[kk * 16 + lane];
+            int64_t quad = kk / 4 * bits * 8, row = lane % 8 * 4 + kk % 4;
+            int qv = bits == 4 ? (lane < 8 ? pq[quad + row] & 15 : pq[quad + row] >> 4)
+                               : ((const int8_t *)pq)[quad + lane / 8 * 32 + row];
             out[i * k + kk] = __builtin_fmaf((float)qv, _cvtsh_ss(s[g]), _cvtsh_ss(z[g]));
         }
     }
