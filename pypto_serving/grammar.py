@@ -54,7 +54,7 @@ def _json_grammar(schema: dict[str, Any]) -> str:
     free whitespace a small model can pad with spaces and newlines until max_tokens."""
     options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
                **schema.get("x-guidance", {})}
-    import llguidance  # on first use: the API process stays ~10 MiB smaller without it
+    import llguidance  # on first use: a server that never constrains output does without it
 
     try:
         return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": options}))
@@ -68,12 +68,13 @@ class GrammarChecker:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None):
         import llguidance
 
-        self._llguidance = llguidance
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                  eos_token=eos_token_id)
 
     def check(self, grammar: str, param: str) -> None:
-        error = self._llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise InvalidRequest(f"the '{param}' grammar is invalid: {error}", param)
 

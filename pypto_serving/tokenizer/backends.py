@@ -78,7 +78,7 @@ class SentencePieceBackend:
         add_bos_eos: tuple[bool, bool],
         legacy: bool = False,
     ) -> None:
-        import sentencepiece  # only SentencePiece models need it (~8 MiB once imported)
+        import sentencepiece  # only SentencePiece models load it (a few MiB of resident memory)
 
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
         controls = {i: (self._sp.id_to_piece(i), True) for i in self._control_ids()}

@@ -167,7 +167,7 @@ static void gemv(const Rows *x, int64_t k, int64_t n_blocks, const uint8_t *q, c
     }
 }
 
-/* ---- M > 1: a panel's quads, scales and zeros made once into scratch and reused by every row ---- */
+/* ---- M > 1: scales, zeros (and int4 levels) made once per panel into scratch, reused by every row ---- */
 
 /* A panel's quads [k / 4][2] (int8: the stored panel itself; int4: unpacked into scratch) and
  * per group its 16 scales and 16 zeros as floats (in scratch). */

@@ -41,7 +41,8 @@ INLINE void levels(const uint8_t *q, int64_t k, const int bits, __m256 *a, __m25
         ib = _mm256_srli_epi32(w, 4);
     } else {
         const uint8_t *p = q + (k >> 2) * 64;
-        __m256i lo = _mm256_loadu_si256((const __m256i *)p), hi = _mm256_loadu_si256((const __m256i *)(p + 32));
+        __m256i lo = _mm256_loadu_si256((const __m256i *)p);
+        __m256i hi = _mm256_loadu_si256((const __m256i *)(p + 32));
         lo = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(lo, pick), join);
         hi = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(hi, pick), join);
         ia = _mm256_cvtepi8_epi32(_mm256_castsi256_si128(lo));
