@@ -24,7 +24,7 @@ def steps_of_every_kind(d: Driver) -> list[torch.Tensor]:
     for _ in range(2):  # the fourth prompt in chunks of 5 and 6 rows next to three decode rows
         first = d.add(3, PROMPTS[3], 5, params[3]) if 3 not in d.tokens else d.next(3, 6)
         out.append(d.step([first, *(d.next(i) for i in range(3))])[1])
-    shared = d.blocks[3][: len(PROMPTS[3][:11]) // BLOCK_SIZE]  # full blocks of its first chunks
+    shared = d.blocks[3][: d.computed[3] // BLOCK_SIZE]  # the full blocks of its first two chunks
     out.append(d.step([d.next(0), d.add(4, PROMPTS[3], 16, params[3], shared_blocks=shared), d.next(1)])[1])
     for _ in range(3):
         out.append(d.step([d.next(i) for i in (0, 1, 2, 4)])[1])
