@@ -117,12 +117,11 @@ class DecoderStack:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self._model.model.embed_tokens(input_ids)  # becomes the residual stream
         cos, sin = rotary_cos_sin(self._model.rope, positions, x.dtype)  # [T, 1, d / 2] views
-        rows, keep = _step_rows(meta, x.shape[0])
+        rows, keep = _step_rows(meta, x.shape[0])  # keep: what rows points into, alive till return
         out = torch.empty_like(x)
         status = self._lib.step_stack(ctypes.byref(self._shape), self._layers, ctypes.byref(rows),
                                       x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                                       out.data_ptr())
-        del keep
         if status != 0:
             raise MemoryError(f"decoder stack: no memory for the scratch of a {x.shape[0]}-token step")
         return out
