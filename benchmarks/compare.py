@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_path(arg: str | None) -> str:
     if arg:
         return arg
-    from pypto_serving.packaged_models import smollm2_path
+    from pypto_serving.app.packaged_models import smollm2_path
 
     return str(smollm2_path())
 

@@ -17,10 +17,10 @@ import pstats
 import statistics
 import time
 
-from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan, WorkerConfig
+from pypto_serving.app.packaged_models import smollm2_path
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.loader.gguf_file import arch_from_gguf
-from pypto_serving.packaged_models import smollm2_path
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.messages.worker import ScheduledSeq, StepPlan, WorkerConfig
 from pypto_serving.worker.model_runner import ModelRunner
 
 BLOCK = 16

@@ -1,5 +1,5 @@
 import sys
 
-from pypto_serving.cli import main
+from pypto_serving.app.cli import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pypto_serving.packaged_models import PackagedModelMissing, smollm2_path
+from pypto_serving.app.packaged_models import PackagedModelMissing, smollm2_path
 
 
 @pytest.fixture(scope="session")

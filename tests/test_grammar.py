@@ -5,12 +5,12 @@ from __future__ import annotations
 import llguidance
 import pytest
 
-from pypto_serving.grammar import (
+from pypto_serving.core.request import InvalidRequest
+from pypto_serving.parsers.grammar import (
     GrammarChecker,
     response_format_grammar,
     tool_choice_grammar,
 )
-from pypto_serving.requests import InvalidRequest
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -22,7 +22,7 @@ def imported_after(code: str, watched: tuple[str, ...] = HEAVY) -> list[str]:
 
 def test_the_api_process_reads_a_gguf_model_without_heavy_imports(smollm2_gguf: str) -> None:
     assert imported_after("""
-        from pypto_serving.model_source import resolve_model
+        from pypto_serving.app.model_source import resolve_model
         from pypto_serving.tokenizer.tokenizer import Tokenizer
         source = resolve_model("smollm2")
         Tokenizer.from_gguf(source.path).encode("hello")
@@ -32,15 +32,16 @@ def test_the_api_process_reads_a_gguf_model_without_heavy_imports(smollm2_gguf: 
 
 def test_the_api_process_starts_without_grammar_or_sentencepiece_libraries(smollm2_gguf: str) -> None:
     code = """
-        import pypto_serving.cli, pypto_serving.engine, pypto_serving.http, pypto_serving.launch
-        from pypto_serving.model_source import resolve_model
+        import pypto_serving.app.cli, pypto_serving.app.launch
+        import pypto_serving.actors.engine, pypto_serving.http
+        from pypto_serving.app.model_source import resolve_model
         from pypto_serving.tokenizer.tokenizer import Tokenizer
         Tokenizer.from_gguf(resolve_model("smollm2").path).encode("hello")
     """
     assert imported_after(code, HEAVY + ON_DEMAND) == []
     # the first structured-output request loads llguidance
     assert imported_after(code + """
-        from pypto_serving.grammar import response_format_grammar
+        from pypto_serving.parsers.grammar import response_format_grammar
         response_format_grammar({"type": "json_object"})
     """, ON_DEMAND) == ["llguidance"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pypto_serving.cli import FlagError, build_parser
-from pypto_serving.model_source import ModelSourceError, resolve_model
-from pypto_serving.settings import build_settings
+from pypto_serving.app.cli import build_parser
+from pypto_serving.app.model_source import ModelSourceError, resolve_model
+from pypto_serving.app.settings import FlagError, build_settings
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +41,15 @@ def test_int8_activations_without_packed_weights_are_refused(smollm2) -> None:
 
 @pytest.mark.parametrize(("c_kernels", "expected"), [(True, ("c", "int8")), (False, ("portable", "none"))])
 def test_the_worker_reports_the_kernels_it_really_runs(monkeypatch, c_kernels, expected) -> None:
+    import torch
+
+    from pypto_serving.backends import CpuBackend
     from pypto_serving.kernels import cpu
-    from pypto_serving.models.quant import LayerFactory
 
     monkeypatch.setattr(cpu, "available", lambda: c_kernels)
-    assert LayerFactory("auto", fast=True, activations="int8").effective_kernels() == expected
-    assert LayerFactory("none", fast=True).effective_kernels() == ("portable", "none")
+    backend = CpuBackend("cpu", torch.float32)
+    assert backend.kernels_used("auto", "int8") == expected
+    assert backend.kernels_used("none", "none") == ("portable", "none")
 
 
 @pytest.mark.parametrize("kernels", ["c", "portable"])
@@ -57,8 +60,8 @@ def test_the_startup_log_says_what_the_worker_runs(kernels) -> None:
 
     from structlog.testing import capture_logs
 
-    from pypto_serving.actors.device_worker import WorkerReady
-    from pypto_serving.launch import _start_engine
+    from pypto_serving.app.launch import _start_engine
+    from pypto_serving.messages.worker import WorkerReady
 
     ready = WorkerReady(8, 1 << 20, 1 << 20, kernels, "int8" if kernels == "c" else "none")
 

@@ -3,28 +3,43 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any, Generic, NoReturn, TypeVar
 
 import structlog
 
 log = structlog.get_logger()
+
+Msg = TypeVar("Msg")
+# (actor, the message it failed on, the exception): the engine treats it as its death
+FaultHandler = Callable[["Actor[Any]", object, Exception], None]
 
 
 class _Stop:
     pass
 
 
-class Actor:
-    """Subclasses implement `receive` with a single `match msg:` dispatch.
+def log_fault(actor: Actor[Any], msg: object, exc: Exception) -> None:
+    """The fault handler of an actor that belongs to no engine (tests)."""
+    log.error("actor failed on a message", actor=type(actor).__name__,
+              message=type(msg).__name__, exc_info=exc)
+
+
+class Actor(Generic[Msg]):
+    """Subclasses implement `receive` with a single `match msg:` dispatch over `Msg`.
 
     `tell` never blocks and never waits for a reply; replies arrive as messages.
-    An exception while handling one message is logged and does not stop the actor.
+    An exception while handling a message is a fault: `on_fault` hears of it (the engine
+    makes it engine death, which ends every request) and the actor goes on receiving, so
+    whoever still tells it something gets an answer.
     """
 
-    def __init__(self) -> None:
-        self._inbox: asyncio.Queue = asyncio.Queue()
+    def __init__(self, on_fault: FaultHandler = log_fault) -> None:
+        self._inbox: asyncio.Queue[Msg | _Stop] = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self.on_fault = on_fault
 
-    def tell(self, msg: object) -> None:
+    def tell(self, msg: Msg) -> None:
         self._inbox.put_nowait(msg)
 
     @property
@@ -37,7 +52,7 @@ class Actor:
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
-            self.tell(_Stop())
+            self._inbox.put_nowait(_Stop())
             await self._task
 
     async def _run(self) -> None:
@@ -47,14 +62,13 @@ class Actor:
                 return
             try:
                 await self.receive(msg)
-            except Exception:
-                log.exception("actor failed on a message", actor=type(self).__name__,
-                              message=type(msg).__name__)
+            except Exception as exc:
+                self.on_fault(self, msg, exc)
 
-    async def receive(self, msg: object) -> None:
+    async def receive(self, msg: Msg) -> None:
         raise NotImplementedError
 
 
-def unknown(actor: object, msg: object) -> None:
+def unknown(actor: object, msg: object) -> NoReturn:
     """The default branch of every dispatch: unknown messages fail loudly."""
     raise TypeError(f"{type(actor).__name__} cannot handle {type(msg).__name__}")

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 from multiprocess.connection import Connection
 
-from pypto_serving.actors.device_worker import (
+from pypto_serving.messages.worker import (
     ProfileStopped,
     Shutdown,
     StartProfile,
@@ -68,7 +68,7 @@ class DeviceWorkerClient:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-P", "-m", "pypto_serving.actors.worker_process", str(child)],
+                [sys.executable, "-P", "-m", "pypto_serving.worker.main", str(child)],
                 pass_fds=(child,), env=env, stdin=subprocess.DEVNULL)
         finally:
             os.close(child)

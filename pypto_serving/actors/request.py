@@ -1,19 +1,23 @@
-"""RequestActor: one request's life, from prompt text to the last event.
+"""RequestStream: one request's life, from prompt text to the last event.
 
-Receives `Encoded`/`Rejected` (from the tokenizer actor) and `Tokens` (from the scheduler).
-Sends `Encode` to the tokenizer, `Submit` and `Abort` to the scheduler, and yields
-`Started`, `TextDelta` (with per-token logprobs when asked), `Finished` events to http/
-(it is the edge: http/ iterates it).
+Not an actor with a loop of its own: it is the edge, an async iterator that http/ (or offline
+mode) drives, with a mailbox others `tell`. Receives (messages/request.py) `Encoded`/`Rejected`
+(from the tokenizer actor), `Tokens` (from the scheduler), `EngineDied` (from the engine), all
+through one dispatch point (`_receive`). Sends `Encode` to the tokenizer, `Submit` and
+`Abort` to the scheduler, and yields `Started`, `TextDelta` (with per-token logprobs when
+asked), `Finished` events.
 State owned: the incremental detokenizer, the stop-string matcher and the reply parser
 (reasoning, tool calls) of its sequence.
 Invariants: no partial stop string, tag or broken UTF-8 character ever leaves; no token id
 outside the vocabulary reaches the device; a request that goes away after `Submit` and
 before finishing sends exactly one `Abort`, which frees its KV blocks; so does a reply whose
 tool-call output turned out malformed (it ends at once with `invalid_model_output`).
+Engine death ends the stream with `error` wherever it is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,14 +25,8 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
-from pypto_serving.actors import scheduler as sched_msgs
-from pypto_serving.actors import tokenizer as tok_msgs
-from pypto_serving.actors.base import Actor, unknown
-from pypto_serving.actors.device_worker import TopLogprob
-from pypto_serving.grammar import Grammars
-from pypto_serving.logprobs import token_logprobs
-from pypto_serving.parsers.reply import ReplyDelta, ReplyEnd, ReplyParser
-from pypto_serving.requests import (
+from pypto_serving.actors.base import unknown
+from pypto_serving.core.request import (
     INVALID_MODEL_OUTPUT,
     Finished,
     GenerateRequest,
@@ -37,8 +35,15 @@ from pypto_serving.requests import (
     TextDelta,
     TokenLogprob,
 )
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.messages.mailbox import Mailbox
+from pypto_serving.messages.request import Encoded, EngineDied, Rejected, RequestInbox, Tokens
+from pypto_serving.messages.scheduler import Abort, Submit
+from pypto_serving.messages.tokenizer import Encode
+from pypto_serving.parsers.grammar import Grammars
+from pypto_serving.parsers.reply import ReplyDelta, ReplyEnd, ReplyParser
 from pypto_serving.tokenizer.detokenizer import IncrementalDetokenizer
+from pypto_serving.tokenizer.logprobs import token_logprobs
 from pypto_serving.tokenizer.stop import StopMatcher
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
@@ -46,17 +51,6 @@ log = structlog.get_logger()
 ENGINE_ENDINGS = ("error", "aborted")
 
 
-@dataclass(frozen=True, slots=True)
-class Tokens:
-    """New tokens of a sequence; `finish_reason` set on the last message about it."""
-
-    seq_id: int
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    logprobs: tuple[float, ...] = ()
-    top_logprobs: tuple[tuple[TopLogprob, ...], ...] = ()
-    num_cached_tokens: int = 0
-    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +59,11 @@ class RequestLimits:
     default_max_tokens: int
 
 
-class RequestActor(Actor):
+class RequestStream:
     def __init__(self, request: GenerateRequest, seq_id: int, tokenizer: Tokenizer,
-                 tokenizer_actor: Actor, scheduler: Actor, limits: RequestLimits,
+                 tokenizer_actor: Mailbox, scheduler: Mailbox, limits: RequestLimits,
                  grammars: Grammars | None = None):
-        super().__init__()
+        self._mailbox: asyncio.Queue[RequestInbox] = asyncio.Queue()
         self.request = request
         self.seq_id = seq_id
         self.tokenizer = tokenizer
@@ -80,10 +74,29 @@ class RequestActor(Actor):
         self.log = log.bind(request_id=request.request_id)
         self._done = False
 
+    def tell(self, msg: RequestInbox) -> None:
+        self._mailbox.put_nowait(msg)
+
+    async def _receive(self) -> Encoded | Rejected | Tokens:
+        """The next message; engine death comes back as the sequence's last `Tokens`."""
+        match await self._mailbox.get():
+            case EngineDied(reason):
+                return Tokens(self.seq_id, (), "error", error=reason)
+            case Encoded() | Rejected() | Tokens() as msg:
+                return msg
+            case msg:
+                unknown(self, msg)
+
     async def events(self) -> AsyncIterator[Started | TextDelta | Finished]:
         """Raises InvalidRequest before the first event when the request cannot run."""
         await self._check_grammar()
-        prompt_text, prompt_ids = await self._encode()
+        encoded = await self._encode()
+        if isinstance(encoded, Tokens):  # the engine died while the prompt was encoded
+            self._done = True
+            yield Started(0, 0)
+            yield Finished("error", 0, 0, 0, encoded.error)
+            return
+        prompt_text, prompt_ids = encoded
         max_tokens = self._max_tokens(prompt_ids)
         self._check_token_ids(self.request.stop_token_ids, "stop_token_ids")
         self._submit(prompt_ids, max_tokens)
@@ -93,7 +106,7 @@ class RequestActor(Actor):
                 yield event
         finally:
             if not self._done:  # the client went away, or the stream was closed early
-                self.scheduler.tell(sched_msgs.Abort(self.seq_id, "aborted"))
+                self.scheduler.tell(Abort(self.seq_id, "aborted"))
                 self.log.info("request aborted")
 
     async def _check_grammar(self) -> None:
@@ -106,20 +119,20 @@ class RequestActor(Actor):
                                  "does not offer", param)
         await self.grammars.check(grammar, param)
 
-    async def _encode(self) -> tuple[str, tuple[int, ...]]:
-        """The prompt as text (empty for token ids) and as token ids."""
+    async def _encode(self) -> tuple[str, tuple[int, ...]] | Tokens:
+        """The prompt as text (empty for token ids) and as token ids; the engine's last word
+        instead when it died meanwhile."""
         prompt = self.request.prompt
         if isinstance(prompt, tuple):
             text, ids = "", prompt
         else:
-            self.tokenizer_actor.tell(tok_msgs.Encode(prompt, self))
-            match await self._inbox.get():
-                case tok_msgs.Encoded(token_ids, text):
-                    ids = token_ids
-                case tok_msgs.Rejected(message):
-                    raise InvalidRequest(message, "messages")
-                case msg:
-                    unknown(self, msg)
+            self.tokenizer_actor.tell(Encode(prompt, self))
+            reply = await self._receive()
+            if isinstance(reply, Tokens):
+                return reply
+            if isinstance(reply, Rejected):
+                raise InvalidRequest(reply.message, "messages")
+            text, ids = reply.text, reply.token_ids
         self._check_token_ids(ids, "prompt")
         return text, self._non_empty(ids)
 
@@ -158,7 +171,7 @@ class RequestActor(Actor):
         # A complete grammar allows only EOS: it must end the reply even with ignore_eos.
         if not self.request.ignore_eos or self.request.sampling.grammar is not None:
             stops |= self.tokenizer.eos_token_ids
-        self.scheduler.tell(sched_msgs.Submit(
+        self.scheduler.tell(Submit(
             self.seq_id, prompt_ids, max_tokens, self._sampling(max_tokens), frozenset(stops), self))
 
     def _sampling(self, max_tokens: int) -> SamplingParams:
@@ -177,7 +190,7 @@ class RequestActor(Actor):
         stop = StopMatcher(list(self.request.stop))
         count = 0
         while True:
-            msg = await self._inbox.get()
+            msg = await self._receive()
             if not isinstance(msg, Tokens):
                 unknown(self, msg)
             count += len(msg.token_ids)
@@ -218,7 +231,7 @@ class RequestActor(Actor):
         self._done = True
         reason = "stop" if stopped else msg.finish_reason or "error"
         if msg.finish_reason is None:  # a stop string, or malformed tool-call output
-            self.scheduler.tell(sched_msgs.Abort(self.seq_id, reason))
+            self.scheduler.tell(Abort(self.seq_id, reason))
         return Finished(reason, prompt_tokens, count, msg.num_cached_tokens, msg.error)
 
     @staticmethod

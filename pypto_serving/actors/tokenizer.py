@@ -1,6 +1,7 @@
 """TokenizerActor: chat template rendering and encoding, off the event loop thread.
 
-Receives `Encode` (text or chat input). Sends `Encoded` or `Rejected` to `reply_to`.
+Receives `Encode` (messages/tokenizer.py: text or chat input). Sends `Encoded` or `Rejected`
+to `reply_to` (messages/request.py).
 State owned: the tokenizer and a small thread pool (the tokenizers library and jinja2
 rendering run there, so a long prompt never stalls the loop).
 """
@@ -9,38 +10,23 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-from pypto_serving.actors.base import Actor, unknown
-from pypto_serving.requests import ChatInput
+from pypto_serving.actors.base import Actor, FaultHandler, log_fault, unknown
+from pypto_serving.core.request import ChatInput
+from pypto_serving.messages.mailbox import Mailbox
+from pypto_serving.messages.request import Encoded, Rejected
+from pypto_serving.messages.tokenizer import Encode, TokenizerInbox
 from pypto_serving.tokenizer.chat_template import ChatTemplateError
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True, slots=True)
-class Encode:
-    prompt: str | ChatInput
-    reply_to: Actor
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    token_ids: tuple[int, ...]
-    text: str  # the prompt as the model reads it (a chat prompt after its template)
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    message: str
-
-
-class TokenizerActor(Actor):
-    def __init__(self, tokenizer: Tokenizer, threads: int = 2):
-        super().__init__()
+class TokenizerActor(Actor[TokenizerInbox]):
+    def __init__(self, tokenizer: Tokenizer, threads: int = 2, on_fault: FaultHandler = log_fault):
+        super().__init__(on_fault)
         self.tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenizer")
 
-    async def receive(self, msg: object) -> None:
+    async def receive(self, msg: TokenizerInbox) -> None:
         match msg:
             case Encode(prompt, reply_to):
                 # concurrent encodes: each waits for the pool on its own task
@@ -48,12 +34,18 @@ class TokenizerActor(Actor):
             case _:
                 unknown(self, msg)
 
-    async def _encode(self, prompt: str | ChatInput, reply_to: Actor) -> None:
+    async def _encode(self, prompt: str | ChatInput, reply_to: Mailbox) -> None:
+        """Bad input is the request's `Rejected`; anything else is a fault, as it would be
+        in `receive` (this task is outside the actor's loop, so it says so itself)."""
         loop = asyncio.get_running_loop()
         try:
             text, ids = await loop.run_in_executor(self._pool, self.encode_now, prompt)
         except (ChatTemplateError, ValueError, TypeError) as exc:
             reply_to.tell(Rejected(str(exc)))
+        except RecursionError:
+            reply_to.tell(Rejected("the chat input is nested too deeply to render"))
+        except Exception as exc:
+            self.on_fault(self, Encode(prompt, reply_to), exc)
         else:
             reply_to.tell(Encoded(tuple(ids), text))
 

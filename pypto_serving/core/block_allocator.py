@@ -1,6 +1,7 @@
 """Paged KV block allocation with a hash-chained prefix cache of full prompt blocks.
 
-Pure: no asyncio, torch or I/O. The KVAllocatorActor wraps it.
+Pure: no asyncio, torch or I/O. The `Scheduler` owns one; it keeps every sequence's block
+table (the one place on the main side: `block_table(seq_id)`).
 
 Every block is in exactly one of three places: the free list, the evictable LRU (cached
 content, no owner) or in use (reference count > 0). A full prompt block, once its KV is
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Demand:
-    """What one sequence asks of a step, in priority order within an `Allocate`.
+    """What one sequence asks of a step, in priority order within one `allocate` call.
 
     Running sequences (`prompt_ids` None) need room for `num_tokens` tokens in total and
     report `num_computed` so computed prompt blocks get registered in the prefix cache.
@@ -35,7 +36,6 @@ class Demand:
 @dataclass(frozen=True, slots=True)
 class Grant:
     seq_id: int
-    block_ids: tuple[int, ...]  # the sequence's whole block table
     num_cached: int  # tokens served from the prefix cache (new sequences only)
 
 
@@ -93,6 +93,14 @@ class BlockAllocator:
     def owns(self, seq_id: int) -> bool:
         return seq_id in self._owners
 
+    @property
+    def num_owners(self) -> int:
+        return len(self._owners)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's blocks in position order (read only: the allocator's own list)."""
+        return self._owners[seq_id].block_ids
+
     # -- one step --------------------------------------------------------------
     def allocate(self, demands: list[Demand]) -> Allocation:
         grants, preempted, denied = [], [], []
@@ -125,7 +133,7 @@ class BlockAllocator:
             if victim == demand.seq_id:
                 return None
         owner.block_ids.extend(self._take() for _ in range(need))
-        return Grant(demand.seq_id, tuple(owner.block_ids), 0)
+        return Grant(demand.seq_id, 0)
 
     def _pick_victim(self, running: list[int], preempted: list[int]) -> int:
         """The lowest-priority running sequence not yet preempted (possibly the asker)."""
@@ -145,7 +153,7 @@ class BlockAllocator:
             self._ref(block)
         blocks = hits + [self._take() for _ in range(need)]
         self._owners[demand.seq_id] = _Owner(blocks, hashes, len(hits))
-        return Grant(demand.seq_id, tuple(blocks), num_cached)
+        return Grant(demand.seq_id, num_cached)
 
     def _count_queries(self, demand: Demand, num_cached: int) -> None:
         if self.enable_prefix_caching:

@@ -1,11 +1,14 @@
 """Continuous batching policy: no prefill or decode phase, just counters.
 
-Pure: no asyncio, torch or I/O. The SchedulerActor wraps it. One step is three calls:
-`propose()` turns the token budget into `Demand`s (running sequences first, then waiting
-ones in arrival order), the block allocator answers with an `Allocation`, `commit()`
-turns that into a `StepPlan` for the device worker, and `on_result()` applies the sampled
-tokens. Every scheduled sequence gets `min(pending tokens, budget left, chunk cap)`
-tokens, so prefill, chunked prefill and decode are one rule.
+Pure: no asyncio, torch or I/O. The SchedulerActor wraps it. One engine step is one call,
+`plan, events = scheduler.step(result)`: apply the last step's sampled tokens (ended
+sequences give their blocks back), then plan the next step: `_propose` turns the token
+budget into `Demand`s (running sequences first, then waiting ones in arrival order), the
+block allocator this scheduler owns answers with an `Allocation` (preempting by recompute
+when blocks run out), and `_commit` turns that into the `StepPlan` for the device worker.
+Every scheduled sequence gets `min(pending tokens, budget left, chunk cap)` tokens, so
+prefill, chunked prefill and decode are one rule. At most one plan is in flight. When the
+last sequence is gone, the allocator's integrity is checked (every block free or cached).
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan, StepResult
-from pypto_serving.core.block_allocator import Allocation, Demand, Grant
+from pypto_serving.core.block_allocator import Allocation, BlockAllocator, Demand, Grant
 from pypto_serving.core.sequence import SeqStatus, Sequence
+from pypto_serving.messages.worker import ScheduledSeq, StepPlan, StepResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +42,15 @@ class TokenEvent:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
         self.config = config
+        self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[int, Sequence] = {}
         self._planned: dict[int, int] = {}  # seq_id -> tokens computed by the step in flight
         self._dropped: list[int] = []  # sequences the worker may forget
+        self._in_flight: int | None = None  # the step id of the plan the worker is running
         self._step_id = 0
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens computed (cache hits excluded, recomputes included)
@@ -56,7 +61,7 @@ class Scheduler:
         self._by_id[seq.seq_id] = seq
 
     def abort(self, seq_id: int, reason: str) -> Sequence | None:
-        """Removes a sequence wherever it is; the caller frees its blocks."""
+        """Removes a sequence wherever it is and frees its blocks."""
         seq = self._by_id.pop(seq_id, None)
         if seq is None:
             return None
@@ -65,12 +70,18 @@ class Scheduler:
             self._dropped.append(seq_id)
         else:
             self.waiting.remove(seq)
+        self.allocator.free(seq_id, seq.num_computed)
         seq.finish(reason)
         return seq
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def in_flight(self) -> bool:
+        """A plan was handed out and its result has not come back."""
+        return self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -81,7 +92,39 @@ class Scheduler:
         return len(self.waiting)
 
     # -- a step --------------------------------------------------------------------
-    def propose(self) -> list[Demand]:
+    def step(self, result: StepResult | None = None) -> tuple[StepPlan | None, list[TokenEvent]]:
+        """The last step's result (None when no step was in flight) -> the next plan (None
+        when nothing can run) and the token events to deliver."""
+        events = self.apply(result) if result is not None else []
+        return self.schedule(), events
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, now in flight; None when nothing can run."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight} is still in flight")
+        plan = self._plan()
+        self._in_flight = plan.step_id if plan is not None else None
+        if not self.has_work:
+            self._check_idle()
+        return plan
+
+    def _plan(self) -> StepPlan | None:
+        """Retries while the allocator preempted someone: the freed blocks may fit a step."""
+        while self.has_work:
+            demands = self._propose()
+            allocation = self.allocator.allocate(demands)
+            plan = self._commit(demands, allocation)
+            if plan is not None or not allocation.preempted:
+                return plan
+        return None
+
+    def _check_idle(self) -> None:
+        """No sequence left: every block must be free or cached, none owned."""
+        self.allocator.check_integrity()
+        if self.allocator.num_owners:
+            raise AssertionError(f"{self.allocator.num_owners} block tables outlived their sequences")
+
+    def _propose(self) -> list[Demand]:
         budget = self.config.max_num_batched_tokens
         demands = []
         for seq in self.running:
@@ -102,14 +145,12 @@ class Scheduler:
             return seq.num_pending
         return self.config.long_prefill_token_threshold
 
-    def commit(self, demands: list[Demand], allocation: Allocation) -> StepPlan | None:
+    def _commit(self, demands: list[Demand], allocation: Allocation) -> StepPlan | None:
         """Applies the allocator's answer; None when nothing can run this step."""
         for seq_id in allocation.preempted:
-            if seq_id in self._by_id:  # skip sequences aborted while allocating
-                self._preempt(self._by_id[seq_id])
+            self._preempt(self._by_id[seq_id])
         wanted = {d.seq_id: d for d in demands}
-        grants = [g for g in allocation.grants if g.seq_id in self._by_id]
-        scheduled = [self._schedule(g, wanted[g.seq_id]) for g in grants]
+        scheduled = [self._schedule(g, wanted[g.seq_id]) for g in allocation.grants]
         scheduled = [s for s in scheduled if s is not None]
         if not scheduled:
             return None
@@ -128,10 +169,9 @@ class Scheduler:
         if demand.prompt_ids is not None:
             self.waiting.remove(seq)
             self.running.append(seq)
-            seq.admit(list(grant.block_ids), grant.num_cached)
+            seq.admit(grant.num_cached)
             n = min(seq.num_pending, demand.num_tokens)
         else:
-            seq.block_ids = list(grant.block_ids)
             n = demand.num_tokens - seq.num_computed
         if n <= 0:
             return None
@@ -140,14 +180,13 @@ class Scheduler:
         return self._chunk(seq, n)
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
-        start, reset = seq.num_computed, seq.needs_reset
-        new_blocks = seq.block_ids[seq.num_sent_blocks:]
-        seq.num_sent_blocks, seq.needs_reset = len(seq.block_ids), False
+        start, table = seq.num_computed, self.allocator.block_table(seq.seq_id)
+        sent, reset = seq.sent(len(table))
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=seq.token_slice(start, start + n),
             start_pos=start,
-            new_block_ids=new_blocks,
+            new_block_ids=table[sent:],
             sample=start + n == seq.num_tokens,
             reset=reset,
             prefix_ids=seq.token_slice(0, start) if reset else [],
@@ -155,23 +194,23 @@ class Scheduler:
             sampling=seq.sampling if reset else None,
         )
 
-    def on_result(self, result: StepResult) -> tuple[list[TokenEvent], list[Sequence]]:
-        """Applies a step's tokens; returns the token events and the sequences that ended."""
+    def apply(self, result: StepResult) -> list[TokenEvent]:
+        """Applies the step in flight's tokens; sequences that ended free their blocks."""
+        if result.step_id != self._in_flight:
+            raise RuntimeError(f"result of step {result.step_id}, but {self._in_flight} is in flight")
+        self._in_flight = None
         planned, self._planned = self._planned, {}
         for seq_id, n in planned.items():
             seq = self._by_id.get(seq_id)
             if seq is not None and seq.status is SeqStatus.RUNNING:
-                seq.num_computed += n
-        events, ended = [], []
+                seq.computed(n)
+        events = []
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids, strict=True)):
             seq = self._by_id.get(seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            event = self._append(seq, token, result, i)
-            events.append(event)
-            if event.finish_reason is not None:
-                ended.append(seq)
-        return events, ended
+            events.append(self._append(seq, token, result, i))
+        return events
 
     def _append(self, seq: Sequence, token: int, result: StepResult, i: int) -> TokenEvent:
         seq.append_token(token)
@@ -186,11 +225,14 @@ class Scheduler:
         self.running.remove(seq)
         del self._by_id[seq.seq_id]
         self._dropped.append(seq.seq_id)
+        self.allocator.free(seq.seq_id, seq.num_computed)
         seq.finish(reason)
 
     def fail_all(self, reason: str) -> list[Sequence]:
-        """Ends every sequence (worker death); returns them for their requests."""
+        """Ends every sequence (shutdown, engine death) and frees its blocks; returns them
+        for their requests. A step still in flight is forgotten: its result is not awaited."""
         seqs = list(self.running) + list(self.waiting)
         for seq in seqs:
             self.abort(seq.seq_id, reason)
+        self._planned, self._in_flight = {}, None
         return seqs

@@ -1,11 +1,14 @@
-"""A sequence as the scheduler sees it: token ids, counters and its block table."""
+"""A sequence as the scheduler sees it: token ids and counters.
+
+Its block table lives in the `BlockAllocator` (the one place on the main side); the sequence
+counts how much of it the device worker has already been sent."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.core.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -26,7 +29,6 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    block_ids: list[int] = field(default_factory=list)
     num_sent_blocks: int = 0  # block-table prefix the device worker already has
     needs_reset: bool = True  # the worker must (re)start this sequence on its next chunk
     num_cached_tokens: int | None = None  # prefix-cache hit on first admission
@@ -55,9 +57,8 @@ class Sequence:
         tail = self.output_ids[max(start - prompt_len, 0):max(end - prompt_len, 0)]
         return head + tail
 
-    def admit(self, block_ids: list[int], num_cached: int) -> None:
+    def admit(self, num_cached: int) -> None:
         self.status = SeqStatus.RUNNING
-        self.block_ids = block_ids
         self.num_computed = num_cached
         self.num_sent_blocks = 0
         self.needs_reset = True
@@ -67,10 +68,20 @@ class Sequence:
     def preempt(self) -> None:
         """Back to waiting; its KV is dropped and recomputed on re-admission."""
         self.status = SeqStatus.WAITING
-        self.block_ids = []
         self.num_computed = 0
         self.num_sent_blocks = 0
         self.needs_reset = True
+
+    def sent(self, num_blocks: int) -> tuple[int, bool]:
+        """The worker now has `num_blocks` of the block table: (how many it had before,
+        whether this chunk (re)starts the sequence there)."""
+        before, reset = self.num_sent_blocks, self.needs_reset
+        self.num_sent_blocks, self.needs_reset = num_blocks, False
+        return before, reset
+
+    def computed(self, n: int) -> None:
+        """`n` more tokens have their KV in the cache (a step ran)."""
+        self.num_computed += n
 
     def append_token(self, token_id: int) -> None:
         self.output_ids.append(token_id)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from pypto_serving.generate_config import MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from pypto_serving.core.generate_config import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 MAX_CHOICES = 16
 MAX_LOGPROBS = 20

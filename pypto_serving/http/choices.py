@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
-from pypto_serving.engine import Engine
-from pypto_serving.requests import Finished, GenerateRequest, Started, TextDelta
+from pypto_serving.actors.engine import Engine
+from pypto_serving.core.request import Finished, GenerateRequest, Started, TextDelta
 
 Event = Started | TextDelta | Finished
 _SEED_SPACE = 1 << 64  # torch generators take seeds modulo 2**64

@@ -12,10 +12,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pypto_serving.engine import Engine
+from pypto_serving.actors.engine import Engine
 from pypto_serving.http.render import error_body
-from pypto_serving.metrics import render_families
-from pypto_serving.profiling import ProfileError, Profiler, clock_us
+from pypto_serving.telemetry.metrics import render_families
+from pypto_serving.telemetry.profiling import ProfileError, Profiler, clock_us
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # still answered while draining: scrapers and the profile may outlive the last request

@@ -19,8 +19,9 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from pypto_serving.generate_config import GenerateDefaults
-from pypto_serving.grammar import response_format_grammar, tool_choice_grammar
+from pypto_serving.core.generate_config import GenerateDefaults
+from pypto_serving.core.request import ChatInput, GenerateRequest, InvalidRequest
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.http.bodies import (
     REASONING_EFFORTS,
     ROLES,
@@ -32,11 +33,10 @@ from pypto_serving.http.bodies import (
     NamedToolChoice,
 )
 from pypto_serving.http.bodies import ToolCall as MessageToolCall
+from pypto_serving.parsers.grammar import response_format_grammar, tool_choice_grammar
 from pypto_serving.parsers.reasoning import ReasoningFormat
 from pypto_serving.parsers.reply import ReplyFormat
 from pypto_serving.parsers.tool_calls import ToolParser
-from pypto_serving.requests import ChatInput, GenerateRequest, InvalidRequest
-from pypto_serving.sampling import SamplingParams
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
 # Below this a temperature only amplifies float noise: it is treated as greedy (as vLLM does).

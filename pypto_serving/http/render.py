@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
+from pypto_serving.core.request import Candidate, Finished, TextDelta, TokenLogprob
 from pypto_serving.http import responses as r
 from pypto_serving.parsers.tool_calls import ToolCall, ToolCallDelta
-from pypto_serving.requests import Candidate, Finished, TextDelta, TokenLogprob
 
 
 def http_finish_reason(reason: str) -> str:

@@ -12,13 +12,13 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from pypto_serving.engine import Engine
-from pypto_serving.generate_config import GenerateDefaults
+from pypto_serving.actors.engine import Engine
+from pypto_serving.core.generate_config import GenerateDefaults
+from pypto_serving.core.request import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
 from pypto_serving.http import bodies, protocol
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
 from pypto_serving.http.openapi import openapi_json
 from pypto_serving.http.render import Choice, Renderer, error_body, stream_error
-from pypto_serving.requests import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
 
 log = structlog.get_logger()
 

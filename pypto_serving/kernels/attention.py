@@ -99,13 +99,12 @@ def prefill_attention(
 ) -> torch.Tensor:
     """One chunk: q [q, H, d], the last q of its context slots [L] -> [q, H, d], causal.
 
-    On the CPU: blocks of PREFILL_BLOCK query rows, each against the keys up to its last row
-    only, so the masked-out half of a causal square is never computed (CPU SDPA computes all
-    of it and ran at ~6 GFLOP/s on a 512-token chunk); query heads that share a kv head are
-    one matmul's rows (GQA without copying K/V); scores and softmax in float32. Elsewhere SDPA.
+    Blocks of PREFILL_BLOCK query rows, each against the keys up to its last row only, so the
+    masked-out half of a causal square is never computed (CPU SDPA computes all of it and ran
+    at ~6 GFLOP/s on a 512-token chunk); query heads that share a kv head are one matmul's
+    rows (GQA without copying K/V); scores and softmax in float32. The accelerators' backends
+    use `sdpa_prefill_attention` instead.
     """
-    if q.device.type != "cpu":
-        return _sdpa_prefill(q, k_cache, v_cache, ctx_slots, scale)
     n_q, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -129,9 +128,9 @@ def prefill_attention(
     return out
 
 
-def _sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  ctx_slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """The accelerators' prefill attention: SDPA over the chunk's whole context."""
+def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           ctx_slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """`prefill_attention`'s contract through SDPA over the chunk's whole context."""
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     start = ctx_slots.shape[0] - q.shape[0]
     k = gather_kv(k_cache, ctx_slots).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)

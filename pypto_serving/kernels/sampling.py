@@ -9,9 +9,12 @@ mask included): a constrained token's logprob is what the model gave it, unconst
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] -> [B] int64, torch.argmax's answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +47,14 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, k]
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-    """logits [B, V] -> one token per row (plus logprobs when asked)."""
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (portable)."""
+    return logits.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, argmax: Argmax = greedy) -> SamplerOutput:
+    """logits [B, V] -> one token per row (plus logprobs when asked); `argmax` is the
+    backend's (greedy rows)."""
     logits = logits.float()
     raw = logits
     if t.grammar_rows is not None:
@@ -54,25 +63,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.masked_fill(t.banned, float("-inf"))
     if t.repetition is not None:
         logits = apply_penalties(logits, t)
-    tokens = greedy(logits)
+    tokens = argmax(logits)
     if not t.all_greedy:
         sampled = random_sample(process_for_sampling(logits, t), t.generators)
         tokens = torch.where(t.temperature > 0, sampled, tokens)
     return _with_logprobs(raw, tokens, t)
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax: the C kernel for float32 rows on the CPU (torch's argmax does not
-    vectorize there), else torch's."""
-    on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if on_cpu and logits.dim() == 2 and logits.shape[1]:
-        from pypto_serving.kernels import cpu
-
-        if cpu.available():
-            from pypto_serving.kernels.cpu.sampling import argmax_cpu
-
-            return argmax_cpu(logits)
-    return logits.argmax(dim=-1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 `--quantization`: "none" keeps nn.Linear / nn.Embedding in the model dtype (exact path);
 "int8" packs every weight to int8; "int4" packs decoder linears to int4 and embeddings /
 lm_head to int8; "auto" is "int4" for a linear whose weights already sit on a 4-bit grid
-(GGUF Q4_0 / Q4_1: lossless), otherwise int8. The matmul is the CPU kernel when it can run
-here, else the portable dequantize-then-F.linear one.
+(GGUF Q4_0 / Q4_1: lossless), otherwise int8. The backend (backends/) supplies the packing
+and the kernels that read it (`QuantKernels`): the CPU's C kernels, or the portable
+dequantize-then-F.linear ones.
 
 `--activation-quantization int8` (the CPU default with packed weights) makes the C matmuls
 quantize their input rows to int8 per group of 32 first, as llama.cpp does: about twice the
@@ -21,48 +22,38 @@ import torch
 from torch import nn
 
 from pypto_serving.kernels import quant_linear as portable
-from pypto_serving.kernels.decoder_ops import DecoderOps, decoder_ops
-from pypto_serving.kernels.quant_linear import PackedWeight, can_pack, pack
+from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
+from pypto_serving.kernels.quant_linear import PackedWeight, can_pack
 
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
 ACTIVATION_QUANTIZATIONS = ("none", "int8")
 LOSSLESS_STEP_FRACTION = 0.01  # a weight within 1% of a level's step counts as on the grid
 
+Pack = Callable[[torch.Tensor, int], tuple[PackedWeight, float]]  # (w, bits) -> (packed, error)
 Matmul = Callable[[torch.Tensor, PackedWeight, torch.Tensor | None], torch.Tensor]
 Gather = Callable[[torch.Tensor, PackedWeight], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
 class QuantKernels:
+    """A backend's packed-weight layout and the kernels that read it."""
+
+    pack: Pack
     matmul: Matmul
     gather: Gather
     int8_activations: bool = False
 
 
-def quant_kernels(fast: bool, int8_activations: bool = False) -> QuantKernels:
-    """The C kernels where asked for and runnable (int8 activations if asked for), else the
-    portable ones (float32 activations)."""
-    from pypto_serving.kernels import cpu
-
-    if fast and cpu.available():
-        from pypto_serving.kernels.cpu.qlinear import (
-            quant_embedding_cpu,
-            quant_linear_cpu,
-            quant_linear_cpu_q8,
-        )
-
-        if int8_activations:
-            return QuantKernels(quant_linear_cpu_q8, quant_embedding_cpu, True)
-        return QuantKernels(quant_linear_cpu, quant_embedding_cpu)
-    return QuantKernels(portable.quant_linear, portable.quant_embedding)
+PORTABLE_KERNELS = QuantKernels(portable.pack, portable.quant_linear, portable.quant_embedding)
 
 
 class PackedRows(nn.Module):
     """A weight [n, k] that arrives in row shards and is packed once every row is in."""
 
-    def __init__(self, n: int, k: int, bits: int | None) -> None:
+    def __init__(self, n: int, k: int, bits: int | None, pack: Pack) -> None:
         super().__init__()
         self.n, self.k, self.bits = n, k, bits  # bits None: 4 if lossless, else 8
+        self._pack_weight = pack
         self.packed: PackedWeight | None = None
         self._staged: dict[int, torch.Tensor] = {}
 
@@ -76,9 +67,9 @@ class PackedRows(nn.Module):
             self._staged = {}
 
     def _pack(self, w: torch.Tensor) -> None:
-        packed, error = pack(w, self.bits or 4)
+        packed, error = self._pack_weight(w, self.bits or 4)
         if self.bits is None and error > LOSSLESS_STEP_FRACTION:
-            packed, _ = pack(w, 8)
+            packed, _ = self._pack_weight(w, 8)
         self.packed = packed
         for name in ("q", "scale", "zero"):  # buffers, so weight-size accounting sees them
             self.register_buffer(name, getattr(packed, name), persistent=False)
@@ -92,7 +83,7 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int | None,
                  kernels: QuantKernels) -> None:
         super().__init__()
-        self.weight = PackedRows(out_features, in_features, bits)
+        self.weight = PackedRows(out_features, in_features, bits, kernels.pack)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.kernels = kernels
         self._panel_bias: torch.Tensor | None = None
@@ -112,7 +103,7 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, dim: int, kernels: QuantKernels) -> None:
         super().__init__()
-        self.weight = PackedRows(num_embeddings, dim, 8)
+        self.weight = PackedRows(num_embeddings, dim, 8, kernels.pack)
         self.kernels = kernels
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -124,46 +115,31 @@ class QuantEmbedding(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class LayerFactory:
-    """Builds the model's linears and embedding for one quantization setting."""
+    """Builds the model's linears and embedding for one quantization setting, with the
+    kernels a backend chose (`Backend.layers`; default: the portable ones)."""
 
     quantization: str = "none"
-    fast: bool = False
-    activations: str = "none"  # "int8": the C matmuls quantize their inputs
+    kernels: QuantKernels = PORTABLE_KERNELS
+    ops: DecoderOps = PORTABLE
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; expected one of {QUANTIZATIONS}")
-        if self.activations not in ACTIVATION_QUANTIZATIONS:
-            raise ValueError(f"unknown activation quantization {self.activations!r}; "
-                             f"expected one of {ACTIVATION_QUANTIZATIONS}")
-
-    def _kernels(self) -> QuantKernels:
-        return quant_kernels(self.fast, self.activations == "int8")
-
-    def effective_kernels(self) -> tuple[str, str]:
-        """("c" or "portable", "int8" or "none"): what the packed matmuls will really run; the
-        C kernels need an AVX2/FMA/F16C CPU and a C compiler, else the portable ones run."""
-        if self.quantization == "none":
-            return "portable", "none"
-        kernels = self._kernels()
-        c = kernels.matmul is not portable.quant_linear
-        return ("c" if c else "portable"), ("int8" if kernels.int8_activations else "none")
 
     def linear(self, in_features: int, out_features: int, bias: bool = False,
                head: bool = False) -> nn.Module:
         if self.quantization == "none" or not can_pack(out_features, in_features):
             return nn.Linear(in_features, out_features, bias=bias)
         bits = {"int8": 8, "int4": 4, "auto": None}[self.quantization]
-        return QuantLinear(in_features, out_features, bias, 8 if head else bits, self._kernels())
+        return QuantLinear(in_features, out_features, bias, 8 if head else bits, self.kernels)
 
     def decoder_ops(self) -> DecoderOps:
-        """The fused CPU kernels come with packed weights; the exact path stays portable."""
-        return decoder_ops(self.fast and self.quantization != "none")
+        return self.ops
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         if self.quantization == "none" or not can_pack(num_embeddings, dim):
             return nn.Embedding(num_embeddings, dim)
-        return QuantEmbedding(num_embeddings, dim, self._kernels())
+        return QuantEmbedding(num_embeddings, dim, self.kernels)
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pypto_serving.actors.device_worker import ScheduledSeq
 from pypto_serving.kernels.attention import AttentionMetadata, PrefillSegment
 from pypto_serving.kernels.paged_kv import context_slots, slots_of_positions
+from pypto_serving.messages.worker import ScheduledSeq
 from pypto_serving.worker.seq_state import SeqState
 
 

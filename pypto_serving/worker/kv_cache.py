@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -30,23 +29,10 @@ def num_kv_blocks(budget_bytes: int, block_bytes: int, max_blocks: int) -> int:
 
 
 def allocate_kv_cache(
-    arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
+    zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
 ) -> list[KVCache]:
-    # Zeros, not empty: padded context slots are masked, but 0 * NaN garbage would still be NaN.
+    """`zeros(shape, dtype)` is the backend's storage (zeros: padded slots are masked, but
+    0 * NaN garbage would still be NaN)."""
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    zeros = lazy_zeros if device.type == "cpu" else torch.zeros
-    return [(zeros(shape, dtype=dtype, device=device), zeros(shape, dtype=dtype, device=device))
-            for _ in range(arch.num_layers)]
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros in an anonymous mapping: the OS maps zero pages on first touch, so the cache
-    costs resident memory only as blocks are used (torch.zeros writes every byte up front).
-    Not numpy's calloc: numpy asks for transparent huge pages on large arrays, and then the
-    first token written to a layer's cache made 2 MiB of it resident at once."""
-    count = math.prod(shape) * dtype.itemsize
-    pages = mmap.mmap(-1, count, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        pages.madvise(mmap.MADV_NOHUGEPAGE)  # even where THP is "always"
-    raw = torch.frombuffer(pages, dtype=torch.uint8)  # the tensor keeps the map alive
-    return raw.view(dtype).view(shape)
+    return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(arch.num_layers)]

@@ -1,73 +1,10 @@
-"""How many bytes the KV cache may take on an accelerator (cuda, npu), and how the CPU
-worker's heap keeps or returns freed memory."""
+"""How many bytes a module's weights take (the startup log, the KV budget)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-from types import ModuleType
-
 import torch
-
-
-def accelerator(device: torch.device) -> ModuleType:
-    """torch.cuda or torch.npu (torch_npu registers the same memory API under torch.npu)."""
-    if device.type == "npu":
-        import torch_npu  # noqa: F401  - only present on Ascend machines; registers torch.npu
-    return getattr(torch, device.type)
-
-
-def accelerator_kv_budget(
-    device: torch.device, utilization: float, weight_bytes: int, activation_bytes: int
-) -> int:
-    """utilization x total device memory, less the weights and a forward's peak activations."""
-    total = accelerator(device).mem_get_info(device)[1]
-    return int(utilization * total) - weight_bytes - activation_bytes
 
 
 def module_bytes(module: torch.nn.Module) -> int:
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-
-
-def release_freed_memory() -> None:
-    """Loading: makes glibc give large freed blocks back to the OS (CPU only).
-
-    Loading dequantizes and packs tensor after tensor; glibc's dynamic mmap threshold would
-    keep those freed megabytes in the heap, and the worker's resident memory would stay
-    hundreds of MiB above its weights and KV cache for good.
-    """
-    if libc := _glibc():
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)  # allocations over 1 MiB get their own mapping
-
-
-def reuse_freed_memory() -> None:
-    """Serving: keeps a step's freed activations in the heap for the next step (CPU only).
-
-    With every block over 1 MiB mapped and unmapped on its own (or the heap's top trimmed
-    after each step), each prefill step page-faulted its activations in afresh: a quarter of
-    a 2048-token prefill went to the kernel zeroing pages. Blocks up to 32 MiB now stay in
-    the heap and glibc never trims it by itself; the model runner calls `trim_freed_memory`
-    when prefilling gives way to decoding and when the worker goes idle.
-    """
-    if libc := _glibc():
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
-        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-
-
-def trim_freed_memory() -> None:
-    """Returns the heap's free pages to the OS (after loading, after prefill steps, when idle)."""
-    if libc := _glibc():
-        libc.malloc_trim(0)

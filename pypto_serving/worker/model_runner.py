@@ -1,28 +1,28 @@
 """ModelRunner: weights, KV cache and per-sequence state of one device; executes StepPlans.
 
 execute(plan) = drop finished -> update sequence states -> prepare -> forward -> sample
-(-> constrained sequences' matchers consume their tokens).
+(-> constrained sequences' matchers consume their tokens). Everything that differs between
+devices is the backend's (backends/), chosen once from `--backend`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
 
-from pypto_serving.actors.device_worker import (
+from pypto_serving.backends import make_backend
+from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.kernels.sampling import SamplerOutput, sample
+from pypto_serving.loader.hf import count_safetensors, load_safetensors
+from pypto_serving.messages.worker import (
     ScheduledSeq,
     StepPlan,
     StepResult,
     TopLogprob,
     WorkerConfig,
 )
-from pypto_serving.kernels.sampling import SamplerOutput, sample
-from pypto_serving.loader.hf import count_safetensors, load_safetensors
-from pypto_serving.models import LayerFactory, build_model, load_weights
-from pypto_serving.models.decoder_stack import DecoderStack
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.models import build_model, load_weights
 from pypto_serving.worker.batch import StepBatch, prepare
 from pypto_serving.worker.grammar import Grammars, advance
 from pypto_serving.worker.kv_cache import (
@@ -31,19 +31,11 @@ from pypto_serving.worker.kv_cache import (
     bytes_per_block,
     num_kv_blocks,
 )
-from pypto_serving.worker.memory import (
-    accelerator,
-    accelerator_kv_budget,
-    module_bytes,
-    release_freed_memory,
-    reuse_freed_memory,
-    trim_freed_memory,
-)
+from pypto_serving.worker.memory import module_bytes
 from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
 
-TRIM_INTERVAL_S = 2.0  # the heap goes back to the OS at most this often while serving
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,17 +65,14 @@ def weight_source(cfg: WorkerConfig) -> Iterator[tuple[str, torch.Tensor]]:
 class ModelRunner:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        if self.device.type != "cpu":
-            accelerator(self.device)  # on npu this imports torch_npu before the device is touched
-        else:
-            release_freed_memory()
         self.dtype = torch_dtype(cfg.dtype)
+        self.backend = make_backend(cfg.backend, cfg.device, self.dtype)
+        self.device = self.backend.device
+        self.backend.before_loading()
         self.kv_dtype = torch_dtype(cfg.kv_cache_dtype, auto=self.dtype)
-        # The C kernels are the CPU backend's variant of the packed matmul.
-        fast = cfg.backend == "cpu" and self.dtype == torch.float32
-        layers = LayerFactory(cfg.quantization, fast=fast, activations=cfg.activation_quantization)
-        self.kernels, self.activation_quantization = layers.effective_kernels()
+        layers = self.backend.layers(cfg.quantization, cfg.activation_quantization)
+        self.kernels, self.activation_quantization = self.backend.kernels_used(
+            cfg.quantization, cfg.activation_quantization)
         self.model = build_model(cfg.arch, self.dtype, self.device, cfg.max_model_len, layers)
         load_weights(self.model, cfg.arch, weight_source(cfg))
         self.weight_bytes = module_bytes(self.model)
@@ -93,30 +82,12 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.max_num_blocks)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         self.kv_caches = self._allocate(self.num_blocks)
-        # Every step in one C call where the per-layer path would use the C kernels anyway.
-        self.stack = DecoderStack.build(self.model, self.kv_caches) if fast else None
-        self._prefilled = False  # the last step had prefill rows (large activations)
-        self._trimmed_at = float("-inf")
-        if self.device.type == "cpu":
-            trim_freed_memory()  # what loading freed below the mmap threshold
-            reuse_freed_memory()
+        self.stack = self.backend.stack(self.model, self.kv_caches)
+        self.backend.after_loading()
 
     def idle(self) -> None:
-        """Called when no step came for a while: the heap's free pages go back to the OS."""
-        if self.device.type == "cpu":
-            trim_freed_memory()
-
-    def _after_prefill(self, decode_only: bool) -> None:
-        """The first decode-only step after prefill steps returns the heap the prefill
-        activations left (kept between prefill steps so they do not page-fault afresh): the
-        KV cache grows during decoding, and the two would otherwise add up. At most every
-        TRIM_INTERVAL_S, so steady arrivals do not page-fault every prefill afresh."""
-        now = time.monotonic()
-        if (decode_only and self._prefilled and self.device.type == "cpu"
-                and now - self._trimmed_at >= TRIM_INTERVAL_S):
-            trim_freed_memory()
-            self._trimmed_at = now
-        self._prefilled = not decode_only
+        """Called when no step came for a while."""
+        self.backend.idle()
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.execute_with_logits(plan)[0]
@@ -130,12 +101,13 @@ class ModelRunner:
         if not plan.seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.cfg.arch.vocab_size)
         batch = prepare(plan.seqs, states, self.cfg.block_size, self.device)
-        self._after_prefill(batch.attn.all_decode)
+        self.backend.after_step(batch.attn.all_decode)
         logits = self._forward(batch, self.kv_caches)
         sampled = [st for s, st in zip(plan.seqs, states, strict=True) if s.sample]
         if not sampled:
             return StepResult(plan.step_id, [], []), logits
-        out = sample(logits, sampling_tensors(sampled, self.cfg.arch.vocab_size, self.device, self.grammars))
+        tensors = sampling_tensors(sampled, self.cfg.arch.vocab_size, self.device, self.grammars)
+        out = sample(logits, tensors, self.backend.argmax)
         result = step_result(plan.step_id, batch.sample_seq_ids, out, sampled)
         advance([st.matcher for st in sampled], result.token_ids)
         return result, logits
@@ -150,32 +122,24 @@ class ModelRunner:
 
     def _allocate(self, num_blocks: int) -> list[KVCache]:
         arch, bs = self.cfg.arch, self.cfg.block_size
-        return allocate_kv_cache(arch, num_blocks, bs, self.kv_dtype, self.device)
+        return allocate_kv_cache(arch, num_blocks, bs, self.kv_dtype, self.backend.zeros)
 
     def _kv_budget(self) -> int:
-        if self.device.type == "cpu":
-            return self.cfg.kv_cache_bytes
-        util = self.cfg.gpu_memory_utilization
-        return accelerator_kv_budget(self.device, util, self.weight_bytes, self._activation_bytes())
+        cfg = self.cfg
+        # The sampler holds a few [max_num_seqs, vocab] float32 copies of the logits.
+        sampler_bytes = 8 * cfg.max_num_seqs * cfg.arch.vocab_size * 4
+        return self.backend.kv_budget(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, self.weight_bytes,
+                                      self._largest_step, sampler_bytes)
 
     @torch.inference_mode()
-    def _activation_bytes(self) -> int:
-        """Peak extra memory of the largest step: one prefill of the whole token budget."""
-        acc, cfg = accelerator(self.device), self.cfg
+    def _largest_step(self) -> None:
+        """One prefill of the whole token budget, on caches of its own (freed on return)."""
+        cfg = self.cfg
         tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         blocks = -(-tokens // cfg.block_size)
-        caches = self._allocate(blocks)
-        acc.synchronize(self.device)
-        acc.reset_peak_memory_stats(self.device)
-        before = acc.memory_allocated(self.device)
         seq = _dummy_seq(tokens, blocks)
         state = apply_scheduled({}, seq, self.device)
-        self._forward(prepare([seq], [state], cfg.block_size, self.device), caches)
-        peak = acc.max_memory_allocated(self.device) - before
-        del caches
-        acc.empty_cache()
-        # The sampler holds a few [max_num_seqs, vocab] float32 copies of the logits.
-        return peak + 8 * cfg.max_num_seqs * cfg.arch.vocab_size * 4
+        self._forward(prepare([seq], [state], cfg.block_size, self.device), self._allocate(blocks))
 
 
 def _dummy_seq(tokens: int, blocks: int) -> ScheduledSeq:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from pypto_serving.actors.device_worker import ScheduledSeq
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.messages.worker import ScheduledSeq
 from pypto_serving.worker.grammar import Grammars
 
 

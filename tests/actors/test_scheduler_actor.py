@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from pypto_serving.actors.base import Actor
-from pypto_serving.actors.device_worker import StepPlan, StepResult
-from pypto_serving.actors.kv_allocator import KVAllocatorActor
-from pypto_serving.actors.request import Tokens
-from pypto_serving.actors.scheduler import AbortAll, SchedulerActor, Submit, WorkerDied
+from pypto_serving.actors.scheduler import SchedulerActor
 from pypto_serving.core.block_allocator import BlockAllocator
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
-from pypto_serving.metrics import EngineMetrics
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.messages.request import Tokens
+from pypto_serving.messages.scheduler import AbortAll, Submit, WorkerDied
+from pypto_serving.messages.worker import StepPlan, StepResult
+from pypto_serving.telemetry.metrics import EngineMetrics
 
 
 class Inbox(Actor):
@@ -39,17 +39,15 @@ async def settle() -> None:
 
 async def started(max_num_seqs: int = 1) -> tuple[SchedulerActor, BlockAllocator, EngineMetrics]:
     alloc, metrics = BlockAllocator(16, 4), EngineMetrics("tiny")
-    policy = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=64))
-    kv = KVAllocatorActor(alloc)
-    actor = SchedulerActor(policy, kv, FakeWorker(), metrics)
+    policy = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=64), alloc)
+    actor = SchedulerActor(policy, FakeWorker(), metrics)
     metrics.bind(policy, alloc)
-    kv.start()
     actor.start()
     return actor, alloc, metrics
 
 
 async def stop(actor: SchedulerActor, inbox: Inbox) -> None:
-    for each in (actor, actor.kv, inbox):
+    for each in (actor, inbox):
         await each.stop()
 
 
@@ -113,13 +111,12 @@ class AnsweringWorker(FakeWorker):
 
 async def test_next_step_goes_out_before_the_last_tokens_are_delivered():
     alloc = BlockAllocator(16, 4)
-    policy = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=64))
+    policy = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=64), alloc)
     inbox, ref = Inbox(), []
     worker = AnsweringWorker(ref, inbox)
-    kv = KVAllocatorActor(alloc)
-    actor = SchedulerActor(policy, kv, worker)
+    actor = SchedulerActor(policy, worker)
     ref.append(actor)
-    for each in (kv, actor, inbox):
+    for each in (actor, inbox):
         each.start()
     submit(actor, inbox, 0)  # max_tokens 8
     for _ in range(10):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pypto_serving.actors.device_worker import StepPlan, StepResult
 from pypto_serving.core.block_allocator import BlockAllocator
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.core.sequence import Sequence
+from pypto_serving.messages.worker import StepPlan, StepResult
 
 EOS = 99
 
@@ -23,22 +23,18 @@ def make_sequences(n: int, prompt_len: int = 8, max_tokens: int = 4, start: int 
 class Harness:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, prefix: bool = True, **cfg):
         self.alloc = BlockAllocator(num_blocks, block_size, prefix)
-        self.sched = Scheduler(SchedulerConfig(**cfg))
+        self.sched = Scheduler(SchedulerConfig(**cfg), self.alloc)
         self.plans: list[StepPlan] = []
         self.next_token = lambda seq_id: 7
 
     def step(self) -> StepPlan | None:
-        demands = self.sched.propose()
-        allocation = self.alloc.allocate(demands)
-        plan = self.sched.commit(demands, allocation)
+        plan = self.sched.schedule()
         if plan is None:
             return None
         self.plans.append(plan)
         sampled = [s.seq_id for s in plan.seqs if s.sample]
         result = StepResult(plan.step_id, sampled, [self.next_token(s) for s in sampled])
-        _, ended = self.sched.on_result(result)
-        for seq in ended:
-            self.alloc.free(seq.seq_id, seq.num_computed)
+        self.sched.apply(result)
         self.alloc.check_integrity()
         return plan
 
@@ -215,11 +211,10 @@ def test_result_for_aborted_sequence_is_ignored():
     a, b = make_sequences(2)
     h.sched.add(a)
     h.sched.add(b)
-    demands = h.sched.propose()
-    plan = h.sched.commit(demands, h.alloc.allocate(demands))
+    plan = h.sched.schedule()
     h.sched.abort(a.seq_id, "aborted")
     h.alloc.free(a.seq_id)
-    events, _ = h.sched.on_result(StepResult(plan.step_id, [0, 1], [7, 7]))
+    events = h.sched.apply(StepResult(plan.step_id, [0, 1], [7, 7]))
     assert [e.seq.seq_id for e in events] == [1] and a.output_ids == []
 
 

@@ -80,6 +80,6 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 15.0) -> None:
 
 
 def worker_process(pid: int) -> psutil.Process:
-    workers = [p for p in children(pid) if "pypto_serving.actors.worker_process" in p.cmdline()]
+    workers = [p for p in children(pid) if "pypto_serving.worker.main" in p.cmdline()]
     assert len(workers) == 1, [p.cmdline() for p in children(pid)]
     return workers[0]

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pypto_serving.packaged_models import smollm2_path
+from pypto_serving.app.packaged_models import smollm2_path
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 from tests.e2e.api import COUNT, EOS_TEXT, SHORT_ANSWER, assert_error, openai_client, text_of
 from tests.e2e.server import ServerProcess

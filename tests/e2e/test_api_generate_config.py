@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pypto_serving.packaged_models import smollm2_path
+from pypto_serving.app.packaged_models import smollm2_path
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 from tests.e2e.api import COUNT, SHORT_ANSWER, sse, text_of
 from tests.e2e.server import ServerProcess

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pypto_serving.metrics import COUNTERS, GAUGES, HISTOGRAMS
+from pypto_serving.telemetry.metrics import COUNTERS, GAUGES, HISTOGRAMS
 from tests.e2e.ops_helpers import (
     BackgroundStream,
     assert_all_gone,

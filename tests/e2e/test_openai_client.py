@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pypto_serving.packaged_models import smollm2_path
+from pypto_serving.app.packaged_models import smollm2_path
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 from tests.e2e.server import ServerProcess
 

@@ -1,11 +1,11 @@
-"""Stand-ins around real RequestActors: a letters tokenizer, a recording scheduler, an engine."""
+"""Stand-ins around real RequestStreams: a letters tokenizer, a recording scheduler, an engine."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pypto_serving.actors.request import RequestActor, RequestLimits
-from pypto_serving.requests import Finished, GenerateRequest, Started, TextDelta
+from pypto_serving.actors.request import RequestLimits, RequestStream
+from pypto_serving.core.request import Finished, GenerateRequest, Started, TextDelta
 
 EOS = 2
 
@@ -43,6 +43,6 @@ class FakeEngine:
         self.seq_ids = iter(range(100))
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Started | TextDelta | Finished]:
-        actor = RequestActor(request, next(self.seq_ids), Letters(), None, self.scheduler,
+        actor = RequestStream(request, next(self.seq_ids), Letters(), None, self.scheduler,
                              RequestLimits(max_model_len=64, default_max_tokens=8))
         return actor.events()

@@ -1,4 +1,4 @@
-"""n choices over real RequestActors and a stand-in scheduler: merging, seeds, aborts."""
+"""n choices over real RequestStreams and a stand-in scheduler: merging, seeds, aborts."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from pypto_serving.actors.device_worker import TopLogprob
-from pypto_serving.actors.request import Tokens
-from pypto_serving.actors.scheduler import Abort, Submit
+from pypto_serving.core.request import Finished, GenerateRequest, InvalidRequest, TextDelta
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
-from pypto_serving.requests import Finished, GenerateRequest, InvalidRequest, TextDelta
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.messages.request import Tokens
+from pypto_serving.messages.scheduler import Abort, Submit
+from pypto_serving.messages.worker import TopLogprob
 from tests.http.fakes import EOS, FakeEngine
 
 

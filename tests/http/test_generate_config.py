@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pypto_serving.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
+from pypto_serving.core.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
 
 
 def test_defaults_without_a_config():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pypto_serving.logprobs import token_text
+from pypto_serving.tokenizer.logprobs import token_text
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pypto_serving.generate_config import GenerateDefaults
+from pypto_serving.core.generate_config import GenerateDefaults
+from pypto_serving.core.request import InvalidRequest
 from pypto_serving.http import bodies, protocol
-from pypto_serving.requests import InvalidRequest
 
 SERVER = GenerateDefaults(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3,
                           stop=["END"], stream=True, ignore_eos=True)

@@ -7,10 +7,10 @@ import json
 import llguidance
 import pytest
 
-from pypto_serving.generate_config import GenerateDefaults
+from pypto_serving.core.generate_config import GenerateDefaults
+from pypto_serving.core.request import InvalidRequest
 from pypto_serving.http import bodies, protocol
 from pypto_serving.parsers import reasoning_parser_for, tool_parser_for
-from pypto_serving.requests import InvalidRequest
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 QWEN = protocol.ModelParsers(reasoning_parser_for("qwen3"), tool_parser_for("qwen2"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pypto_serving.core.request import Candidate, Finished, TextDelta, TokenLogprob
 from pypto_serving.http.render import Choice, Renderer, chat_logprobs, completion_logprobs, usage
-from pypto_serving.requests import Candidate, Finished, TextDelta, TokenLogprob
 
 
 def cand(text: str, logprob: float, token_id: int = 0) -> Candidate:

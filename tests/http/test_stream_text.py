@@ -1,4 +1,4 @@
-"""The text a request streams, as http/ receives it from the RequestActor: incremental
+"""The text a request streams, as http/ receives it from the RequestStream: incremental
 detokenization and stop-string hold-back together, on random texts, random stop strings
 and random splits of the tokens into scheduler messages (the real SmolLM2 tokenizer).
 
@@ -15,9 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pypto_serving.actors.request import RequestActor, RequestLimits, Tokens
-from pypto_serving.actors.scheduler import Abort
-from pypto_serving.requests import Finished, GenerateRequest, TextDelta
+from pypto_serving.actors.request import RequestLimits, RequestStream
+from pypto_serving.core.request import Finished, GenerateRequest, TextDelta
+from pypto_serving.messages.request import Tokens
+from pypto_serving.messages.scheduler import Abort
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 from tests.http.fakes import Letters, Recorder
 
@@ -47,7 +48,7 @@ async def stream(tok: Tokenizer, chunks: list[list[int]], stops: list[str]) -> t
     scheduler = Recorder()
     total = sum(len(c) for c in chunks)
     request = GenerateRequest("x", (1, 2), total, stop=tuple(stops))
-    events = RequestActor(request, 0, tok, None, scheduler, RequestLimits(4096, 16)).events()
+    events = RequestStream(request, 0, tok, None, scheduler, RequestLimits(4096, 16)).events()
     await anext(events)  # Started: the sequence was submitted
     actor = scheduler.messages[0].reply_to
     for i, chunk in enumerate(chunks):
@@ -87,7 +88,7 @@ def test_a_match_held_until_the_end_still_finishes_with_stop():
     # "b" matches, but "abb" could still start earlier; at the end the held "b" is the stop.
     scheduler = Recorder()
     request = GenerateRequest("x", (5,), 2, stop=("abb", "b"))
-    events = RequestActor(request, 0, Letters(), None, scheduler, RequestLimits(64, 8)).events()
+    events = RequestStream(request, 0, Letters(), None, scheduler, RequestLimits(64, 8)).events()
 
     async def run() -> list:
         await anext(events)

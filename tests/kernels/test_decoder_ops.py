@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pypto_serving.actors.device_worker import ScheduledSeq
+from pypto_serving.backends import CpuBackend
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels import cpu
-from pypto_serving.kernels.decoder_ops import PORTABLE, decoder_ops
+from pypto_serving.kernels.decoder_ops import PORTABLE
 from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq, rotary_cos_sin
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.messages.worker import ScheduledSeq
 from pypto_serving.worker.batch import prepare
 from pypto_serving.worker.seq_state import SeqState
 
@@ -20,7 +21,7 @@ CLOSE = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture(scope="module")
 def fast():
-    return decoder_ops(fast=True)
+    return CpuBackend("cpu", torch.float32).decoder_ops(packed=True)
 
 
 def test_norms_and_activation_match(fast) -> None:

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from pypto_serving.actors.device_worker import ScheduledSeq
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels.attention import (
-    _sdpa_prefill,
     decode_attention,
     paged_attention,
     prefill_attention,
+    sdpa_prefill_attention,
 )
 from pypto_serving.kernels.paged_kv import context_slots, gather_kv, slots_of_positions, write_kv
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.messages.worker import ScheduledSeq
 from pypto_serving.worker.batch import prepare
 from pypto_serving.worker.seq_state import SeqState
 
@@ -78,7 +78,7 @@ def test_prefill_attention_with_and_without_prefix(start: int, n: int) -> None:
     q = torch.randn(n, HEADS, DIM)
     want = naive_attention(q, k, v, start)
     # the CPU's blocked kernel, and the accelerators' SDPA variant run here on CPU tensors
-    for kernel in (prefill_attention, _sdpa_prefill):
+    for kernel in (prefill_attention, sdpa_prefill_attention):
         out = kernel(q, k_cache, v_cache, slots, SCALE)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 

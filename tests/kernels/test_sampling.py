@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from msgspec.structs import replace
 
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels.sampling import SamplerOutput, apply_penalties, sample
-from pypto_serving.sampling import SamplingParams
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, make_generator
 

@@ -13,10 +13,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
+from pypto_serving.app.packaged_models import qwen_coder_path, smollm2_path
 from pypto_serving.loader.arch import ModelArch, RopeScaling
 from pypto_serving.loader.gguf_file import UnsupportedModel, _hf_name, arch_from_gguf, load_gguf_tensors
 from pypto_serving.loader.gguf_reader import read_gguf
-from pypto_serving.packaged_models import qwen_coder_path, smollm2_path
 
 # --- factories --------------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from pypto_serving.app.packaged_models import qwen_coder_path, smollm2_path
 from pypto_serving.loader.errors import UnsupportedModel
 from pypto_serving.loader.gguf_tokenizer import GGUFTokenizerData, read_gguf_tokenizer
-from pypto_serving.packaged_models import qwen_coder_path, smollm2_path
 
 TEXTS = [
     "Hello world",

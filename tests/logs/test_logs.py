@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-from pypto_serving.logs import as_json_line
+from pypto_serving.telemetry.logs import as_json_line
 
 SCRIPT = r'''
 import logging, os, sys, threading, warnings
-from pypto_serving.logs import capture_stray_output, configure_logging
+from pypto_serving.telemetry.logs import capture_stray_output, configure_logging
 restore = capture_stray_output()
 configure_logging("json", "info")
 import structlog

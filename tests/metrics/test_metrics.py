@@ -6,11 +6,11 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pypto_serving.actors.device_worker import StepResult
 from pypto_serving.core.block_allocator import BlockAllocator
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.core.sequence import Sequence
-from pypto_serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, EngineMetrics, token_buckets
+from pypto_serving.messages.worker import StepResult
+from pypto_serving.telemetry.metrics import COUNTERS, GAUGES, HISTOGRAMS, EngineMetrics, token_buckets
 
 PROMPT = tuple(range(100, 112))  # 12 tokens: 3 blocks of 4
 
@@ -21,19 +21,17 @@ def make_sequences(n: int, prompt: tuple[int, ...] = PROMPT, max_tokens: int = 3
 
 def run_to_end(sched: Scheduler, alloc: BlockAllocator) -> None:
     """Drives the policy like the actors do, with a worker that always samples token 7."""
+    plan, _ = sched.step()
     while sched.has_work:
-        demands = sched.propose()
-        plan = sched.commit(demands, alloc.allocate(demands))
         assert plan is not None
         sampled = [s.seq_id for s in plan.seqs if s.sample]
-        _, ended = sched.on_result(StepResult(plan.step_id, sampled, [7] * len(sampled)))
-        for seq in ended:
-            alloc.free(seq.seq_id, seq.num_computed)
+        plan, _ = sched.step(StepResult(plan.step_id, sampled, [7] * len(sampled)))
 
 
 def bound_metrics(**cfg: int) -> tuple[EngineMetrics, Scheduler, BlockAllocator]:
     metrics = EngineMetrics("tiny", max_model_len=64)
-    sched, alloc = Scheduler(SchedulerConfig(max_model_len=64, **cfg)), BlockAllocator(32, 4)
+    alloc = BlockAllocator(32, 4)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, **cfg), alloc)
     metrics.bind(sched, alloc)
     return metrics, sched, alloc
 
@@ -64,8 +62,7 @@ def test_gauges_follow_the_queues():
     metrics, sched, alloc = bound_metrics(max_num_seqs=1)
     for seq in make_sequences(3):
         sched.add(seq)
-    demands = sched.propose()
-    sched.commit(demands, alloc.allocate(demands))
+    sched.schedule()
     gauges = metrics.gauges()
     assert (gauges["running"], gauges["waiting"]) == (1, 2)
     assert gauges["kv_cache_usage"] == 3 / 32

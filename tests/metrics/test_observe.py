@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pypto_serving.metrics import EngineMetrics
-from pypto_serving.observe import RequestObserver
-from pypto_serving.profiling import SpanRecorder
-from pypto_serving.requests import Finished, Started, TextDelta
+from pypto_serving.core.request import Finished, Started, TextDelta
+from pypto_serving.telemetry.metrics import EngineMetrics
+from pypto_serving.telemetry.observe import RequestObserver
+from pypto_serving.telemetry.profiling import SpanRecorder
 
 
 def observed(*events: object, verbose: bool = False) -> tuple[EngineMetrics, SpanRecorder]:

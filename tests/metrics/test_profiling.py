@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pypto_serving.profiling import (
+from pypto_serving.telemetry.profiling import (
     LANE_BASE,
     ProfileConfig,
     ProfileError,

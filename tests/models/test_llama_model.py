@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pypto_serving.actors.device_worker import ScheduledSeq
+from pypto_serving.backends import PortableBackend
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.loader.arch import ModelArch
 from pypto_serving.loader.hf import arch_from_hf_config
+from pypto_serving.messages.worker import ScheduledSeq
 from pypto_serving.models import build_model, load_weights
 from pypto_serving.models.llama import LlamaForCausalLM
-from pypto_serving.sampling import SamplingParams
 from pypto_serving.worker.batch import prepare
 from pypto_serving.worker.kv_cache import allocate_kv_cache
 from pypto_serving.worker.seq_state import SeqState
@@ -33,7 +34,8 @@ def prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     seq = ScheduledSeq(0, ids, 0, blocks, sample=True)
     state = SeqState(blocks, ids, len(ids), SamplingParams(), None)
     batch = prepare([seq], [state], 4, CPU)
-    caches = allocate_kv_cache(model.arch, len(blocks), 4, torch.float32, CPU)
+    zeros = PortableBackend(CPU, torch.float32).zeros
+    caches = allocate_kv_cache(model.arch, len(blocks), 4, torch.float32, zeros)
     with torch.inference_mode():
         hidden = model(batch.input_ids, batch.positions, batch.attn, caches)
         return model.compute_logits(hidden)

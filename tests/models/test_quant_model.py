@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pypto_serving.backends import CpuBackend
 from pypto_serving.kernels import cpu
 from pypto_serving.loader.hf import arch_from_hf_config
 from pypto_serving.models import LayerFactory, build_model, load_weights
@@ -57,7 +58,7 @@ def test_auto_falls_back_to_int8_off_the_grid() -> None:
 def test_cpu_kernels_match_portable_in_the_model(name: str) -> None:
     state = build_hf_model(name).state_dict()
     portable = prefill_logits(model_with(state, name, LayerFactory("int4")), IDS)
-    fast = prefill_logits(model_with(state, name, LayerFactory("int4", fast=True)), IDS)
+    fast = prefill_logits(model_with(state, name, CpuBackend("cpu", torch.float32).layers("int4")), IDS)
     torch.testing.assert_close(fast, portable, rtol=1e-4, atol=1e-4)
 
 

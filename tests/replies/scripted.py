@@ -1,6 +1,6 @@
 """A served engine whose device worker writes a script instead of running a model.
 
-Everything else is real: HTTP handlers, RequestActor (detokenizer, stop strings, reply
+Everything else is real: HTTP handlers, RequestStream (detokenizer, stop strings, reply
 parsers), tokenizer, scheduler and KV allocator actors. The worker answers each step like a
 device worker whose model's next token is the script's next token (then EOS), so a test can
 make the "model" think, call tools or write malformed calls, and see what a client gets.
@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from pypto_serving.actors.device_worker import StepPlan, StepResult, WorkerConfig, WorkerReady
-from pypto_serving.cli import build_parser
-from pypto_serving.engine import Engine
+from pypto_serving.actors.engine import Engine
+from pypto_serving.app.cli import build_parser
+from pypto_serving.app.model_source import resolve_model
+from pypto_serving.app.settings import build_settings
 from pypto_serving.http.server import Handlers, build_app
-from pypto_serving.model_source import resolve_model
-from pypto_serving.settings import build_settings
+from pypto_serving.messages.worker import StepPlan, StepResult, WorkerConfig, WorkerReady
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 

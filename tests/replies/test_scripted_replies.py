@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from pypto_serving.packaged_models import qwen_coder_path
+from pypto_serving.app.packaged_models import qwen_coder_path
 from tests.replies.scripted import ScriptedServer
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -15,7 +15,7 @@ import sentencepiece
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from pypto_serving import packaged_models
+from pypto_serving.app import packaged_models
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 CORPUS = [

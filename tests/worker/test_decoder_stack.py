@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels import cpu
-from pypto_serving.sampling import SamplingParams
 from tests.worker.tiny_models import BLOCK_SIZE, Driver
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")

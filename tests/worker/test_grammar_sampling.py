@@ -11,10 +11,11 @@ import structlog
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from pypto_serving.actors.device_worker import StepPlan, _execute
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels.sampling import apply_token_bitmask
-from pypto_serving.profiling import WorkerProfiler
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.messages.worker import StepPlan
+from pypto_serving.telemetry.profiling import WorkerProfiler
+from pypto_serving.worker.main import _execute
 from tests.worker.tiny_models import Driver
 
 PROMPT = [(5 * i + 11) % 256 for i in range(9)]
@@ -104,7 +105,7 @@ def test_grammar_without_tokenizer_is_a_clear_error(driver) -> None:
     plan = StepPlan(0, [d.add(1, PROMPT, len(PROMPT), SamplingParams(grammar=GRAMMAR))])
     with pytest.raises(ValueError, match="tokenizer_json is empty"):
         d.runner.execute(plan)
-    result = _execute(d.runner, plan, WorkerProfiler("test", "cpu"))
+    result = _execute(d.runner, plan, WorkerProfiler("test", ("cpu",)))
     assert result.error is not None and "tokenizer_json is empty" in result.error
 
 

@@ -13,15 +13,15 @@ import time
 import msgspec
 import pytest
 
-from pypto_serving.actors import device_worker
-from pypto_serving.actors.device_worker import Shutdown, StepPlan, StepResult
-from pypto_serving.profiling import WorkerProfiler
+from pypto_serving.messages.worker import Shutdown, StepPlan, StepResult
+from pypto_serving.telemetry.profiling import WorkerProfiler
+from pypto_serving.worker import main as device_worker
 
 FAULTS = textwrap.dedent("""
     import ctypes, resource, sys
-    from pypto_serving.worker import memory
-    getattr(memory, sys.argv[1])()
-    libc = memory._glibc()
+    from pypto_serving.backends import heap
+    getattr(heap, sys.argv[1])()
+    libc = heap._glibc()
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     def step():  # a block the size of a prefill step's activation: written, then freed
@@ -97,7 +97,7 @@ def test_an_idle_worker_trims_once_after_its_last_step(monkeypatch) -> None:
     monkeypatch.setattr(device_worker, "IDLE_AFTER_S", 0.05)
     conn = FakeConn([(0.0, StepPlan(1, [])), (0.01, StepPlan(2, [])), (0.4, Shutdown())])
     runner = Runner()
-    device_worker._serve(conn, runner, msgspec.msgpack.Encoder(), WorkerProfiler("test", "cpu"))
+    device_worker._serve(conn, runner, msgspec.msgpack.Encoder(), WorkerProfiler("test", ("cpu",)))
     assert runner.calls == ["step", "step", "idle"]  # not before the first plan, not twice
     assert len(conn.sent) == 2
 
@@ -109,6 +109,7 @@ def test_a_token_in_the_cpu_kv_cache_costs_its_bytes_not_a_huge_page() -> None:
     out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import torch
         from pypto_serving.loader.arch import ModelArch
+        from pypto_serving.backends.cpu import lazy_zeros
         from pypto_serving.worker.kv_cache import allocate_kv_cache
         def anon():  # resident anonymous and shared pages (not code pages torch faults in)
             status = open("/proc/self/status").read()
@@ -117,7 +118,7 @@ def test_a_token_in_the_cpu_kv_cache_costs_its_bytes_not_a_huge_page() -> None:
                          num_layers=16, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
                          rope_theta=1e4, max_position_embeddings=1024, tie_word_embeddings=True,
                          attention_bias=False, qk_norm=False)
-        caches = allocate_kv_cache(arch, 2048, 16, torch.float16, torch.device("cpu"))
+        caches = allocate_kv_cache(arch, 2048, 16, torch.float16, lazy_zeros)
         torch.zeros(64, dtype=torch.float16)[0].fill_(1.0)  # torch's first fill sets itself up
         before = anon()
         for k, v in caches:
@@ -131,12 +132,12 @@ def test_a_token_in_the_cpu_kv_cache_costs_its_bytes_not_a_huge_page() -> None:
 
 
 def trims_in_five_steps(driver, monkeypatch, interval: float) -> list[int]:
-    from pypto_serving.worker import model_runner
+    from pypto_serving.backends import cpu, heap
 
-    monkeypatch.setattr(model_runner, "TRIM_INTERVAL_S", interval)
+    monkeypatch.setattr(cpu, "TRIM_INTERVAL_S", interval)
     d, _ = driver("llama", quantization="int4")
     trims = []
-    monkeypatch.setattr(model_runner, "trim_freed_memory", lambda: trims.append(d.step_id))
+    monkeypatch.setattr(heap, "trim_freed_memory", lambda: trims.append(d.step_id))
     d.step([d.add(0, [5, 6, 7, 8, 9], 5)])  # prefill
     d.step([d.next(0)])  # decode: the prefill's heap goes back
     d.step([d.next(0)])  # decode again: nothing to give back

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan
-from pypto_serving.sampling import SamplingParams
-from pypto_serving.worker import memory, model_runner
+from pypto_serving.backends.cuda import CudaBackend
+from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.messages.worker import ScheduledSeq, StepPlan
 from pypto_serving.worker.kv_cache import bytes_per_block
 from pypto_serving.worker.model_runner import ModelRunner
 from tests.worker.tiny_models import Driver, worker_config
@@ -165,11 +165,13 @@ def test_accelerator_budget_leaves_room_for_weights_and_activations(checkpoint, 
     cfg = worker_config(path, max_num_batched_tokens=40)  # a 40-token profiling prefill
     runner = ModelRunner(cfg)
     fake = FakeAccelerator()
-    monkeypatch.setattr(model_runner, "accelerator", lambda device: fake)
-    monkeypatch.setattr(memory, "accelerator", lambda device: fake)
+    monkeypatch.setattr(CudaBackend, "memory", property(lambda self: fake))
+    runner.backend = CudaBackend("cpu", torch.float32)  # the accelerator's accounting, on the CPU
     sampler = 8 * cfg.max_num_seqs * cfg.arch.vocab_size * 4
-    assert runner._activation_bytes() == 5_000 + sampler
+    activations = 5_000 + sampler
+    util = cfg.gpu_memory_utilization
+    assert runner._kv_budget() == int(util * 10_000_000) - runner.weight_bytes - activations
     assert fake.calls == ["synchronize", "reset", "empty_cache"]
     assert runner.seqs == {}  # the profiling sequence leaves no state behind
-    budget = memory.accelerator_kv_budget(torch.device("cpu"), 0.5, 100, 200)
-    assert budget == 5_000_000 - 300
+    budget = CudaBackend("cpu", torch.float32).kv_budget(0, 0.5, 100, lambda: None, 200)
+    assert budget == 5_000_000 - 100 - 5_000 - 200  # util x total - weights - peak - sampler

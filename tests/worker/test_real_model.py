@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan, WorkerConfig
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels import cpu
 from pypto_serving.loader.gguf_file import arch_from_gguf
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.messages.worker import ScheduledSeq, StepPlan, WorkerConfig
 from pypto_serving.worker.model_runner import ModelRunner
 
 PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from pypto_serving.actors.device_worker import ScheduledSeq, StepPlan, StepResult, WorkerConfig
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.loader.hf import arch_from_hf_config, load_hf_config
-from pypto_serving.sampling import SamplingParams
+from pypto_serving.messages.worker import ScheduledSeq, StepPlan, StepResult, WorkerConfig
 from pypto_serving.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4  # small, so every sequence spans many blocks

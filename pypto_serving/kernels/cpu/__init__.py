@@ -4,7 +4,9 @@ The shared library is cached by source hash under ~/.cache/pypto-serving/kernels
 through ctypes (which releases the GIL). It uses OpenMP: torch has already loaded its own
 `libgomp.so.1`, so the library binds to that runtime and shares torch's thread pool rather
 than starting a second one. `available()` is False (and callers use the portable kernels)
-when the CPU lacks the instructions or no compiler is found.
+when the CPU lacks the instructions or no compiler is found, and when the build or the load
+fails: that is logged as a warning with the compiler's output, since the portable kernels are
+several times slower and would otherwise go unnoticed.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+import structlog
 import torch
 
 SOURCES = [Path(__file__).with_name(name)
@@ -36,11 +40,16 @@ SIGNATURES = {
     "step_stack": [_P, _P, _P, _P, _P, _P, _I, _P],
     "decode_scores_len": [_I, _I, _I],
     "argmax_rows": [_P, _I, _I, _I, _P],
+    "stack_layout": [_P, _I],
 }
 
 
 # a status (0, or -1 when out of memory) or a size
-RETURNS_INT = {"step_stack", "qlinear_q8", "prefill_attention", "decode_scores_len"}
+RETURNS_INT = {"step_stack", "qlinear_q8", "prefill_attention", "decode_scores_len", "stack_layout"}
+# the end of the compiler's output kept in the warning: where its last (often fatal) error is
+STDERR_CHARS = 4000
+
+log = structlog.get_logger()
 
 
 def _cache_dir() -> Path:
@@ -83,16 +92,43 @@ def has_avx2() -> bool:
     return {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
+def _tail(output: bytes | None) -> str:
+    """The compiler's output as text, trimmed to the end that holds its last error."""
+    text = (output or b"").decode(errors="replace").strip()
+    return text if len(text) <= STDERR_CHARS else "..." + text[-STDERR_CHARS:]
+
+
+def _load(compiler: str) -> ctypes.CDLL | None:
+    """The built and loaded library, or None after a warning saying why (the CPU and the compiler
+    are fine here, so a failure is a broken build environment, not an expected fallback)."""
+    try:
+        path = _build(compiler)
+    except subprocess.CalledProcessError as exc:
+        log.warning("C kernels failed to compile; the portable kernels will run instead",
+                    command=shlex.join(map(str, exc.cmd)), returncode=exc.returncode,
+                    stderr=_tail(exc.stderr))
+        return None
+    except OSError as exc:  # the compiler cannot be started, or the cache is not writable
+        log.warning("C kernels could not be built; the portable kernels will run instead",
+                    compiler=compiler, cache=str(_cache_dir()), error=str(exc))
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:  # dlopen's message: e.g. a missing libgomp
+        log.warning("C kernels failed to load; the portable kernels will run instead",
+                    path=str(path), error=str(exc))
+        return None
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where they cannot run here."""
+    """The loaded kernels, or None where they cannot run here (one attempt per process)."""
     compiler = find_compiler()
     if not has_avx2() or compiler is None:
         return None
     torch.get_num_threads()  # torch (and with it its libgomp) is loaded before our library
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError):
+    lib = _load(compiler)
+    if lib is None:
         return None
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args

@@ -1,11 +1,15 @@
 """The fused per-layer kernels of decoder.c, each with the portable kernel's contract
-(float32 only; see kernels/decoder_ops.py for when they are used)."""
+(float32 only), and the cpu backend's `attend` built from them (backends/cpu.py picks them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from pypto_serving.kernels.attention import AttentionMetadata, paged_attention
 from pypto_serving.kernels.cpu import library
+from pypto_serving.kernels.decoder_ops import KVCache, Rotary, attend
 
 
 def add_rms_norm_cpu(
@@ -102,3 +106,52 @@ def _check_inputs(kernel: str, k_cache: torch.Tensor, v_cache: torch.Tensor, d: 
         if not usable or cache.shape[-1] != d:
             raise ValueError("the C attention takes contiguous float32 or float16 KV caches of the queries' "
                              f"head_dim, got {cache.dtype} {tuple(cache.shape)}")
+
+
+def fp32_rows(fast: Callable, portable: Callable) -> Callable:
+    """`fast` for contiguous 2-D float32 rows of a width the kernels take (multiple of 8)."""
+    def pick(x: torch.Tensor, *args: object) -> object:
+        ok = x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 8 == 0
+        return (fast if ok else portable)(x, *args)
+
+    return pick
+
+
+def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary, kv: KVCache,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The fused rotary + KV write when q, k, v are the fused projection's views and the cache
+    is float32 or float16; the C attention for every row, decode and prefill, in every kind of
+    step (with int8 activations a last-bit difference between two kernels can flip a
+    rounding, so a token must see one kernel whatever it is batched with or chunked into)."""
+    if not _fused_qkv(q, k, v, kv, rotary):
+        return attend(q, k, v, rotary, kv, meta, scale)
+    width = (q.shape[1] + 2 * k.shape[1]) * q.shape[2]
+    qkv = torch.as_strided(q, (q.shape[0], width), (width, 1))
+    rope_write_kv_cpu(qkv, q.shape[1], k.shape[1], *rotary, meta.slot_mapping, *kv)
+    if q.shape[2] > 64:  # the C attention keeps 8 keys of at most 64 floats on the stack
+        return paged_attention(q, kv[0], kv[1], meta, scale)
+
+    def decode(dq: torch.Tensor) -> torch.Tensor:
+        return decode_attention_cpu(dq, kv[0], kv[1], meta.decode_slots, meta.decode_lens, scale)
+
+    def prefill(pq: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
+        return prefill_attention_cpu(pq, kv[0], kv[1], ctx_slots, scale)
+
+    decode_kernel = decode if meta.decode_lens is not None else None
+    return paged_attention(q, kv[0], kv[1], meta, scale, decode_kernel, prefill)
+
+
+def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, rotary: Rotary) -> bool:
+    """q, k, v are consecutive column blocks of one contiguous float32 [T, (h + 2 kvh) d]."""
+    t, heads, d = q.shape
+    width = (heads + 2 * k.shape[1]) * d
+    cos, sin = rotary
+    return (
+        q.dtype == cos.dtype == torch.float32 and kv[0].dtype in (torch.float32, torch.float16)
+        and d % 16 == 0 and q.stride()[1:] == (d, 1)
+        and (t == 1 or q.stride(0) == k.stride(0) == v.stride(0) == width)  # one row: any stride
+        and k.data_ptr() == q.data_ptr() + heads * d * 4
+        and v.data_ptr() == k.data_ptr() + k.shape[1] * d * 4
+        and cos.stride(-1) == 1 and sin.stride(0) == cos.stride(0)
+        and kv[0].is_contiguous() and kv[1].is_contiguous()
+    )

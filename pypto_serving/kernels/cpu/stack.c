@@ -7,6 +7,7 @@
  * it removes is ~15 Python and ctypes round trips per layer, and for a prefill chunk the
  * copies of q and of the attention output that the per-layer path makes.
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +71,32 @@ typedef struct {
     int64_t max_len, n_chunks;
     const Chunk *chunks;
 } StepRows;
+
+/* The layout of the structs above, which backends/cpu_stack.py mirrors as ctypes structs and
+ * checks against this: per struct, in the order QLinear, Layer, Chunk, StepRows, Shape, its
+ * sizeof, then each field's offsetof and size in declaration order, then -1. A field added,
+ * moved or resized here shows there as a mismatch instead of as wrong pointers at run time.
+ * Writes the first cap values to out (NULL when cap is 0) and returns how many there are. */
+#define FIELD(S, f) offsetof(S, f), sizeof(((S *)0)->f)
+int64_t stack_layout(int64_t *out, int64_t cap) {
+    const int64_t layout[] = {
+        sizeof(QLinear), FIELD(QLinear, q), FIELD(QLinear, scale), FIELD(QLinear, zero), FIELD(QLinear, bias),
+        FIELD(QLinear, k), FIELD(QLinear, n_blocks), FIELD(QLinear, bits), -1,
+        sizeof(Layer), FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, qkv), FIELD(Layer, o),
+        FIELD(Layer, gate_up), FIELD(Layer, down), FIELD(Layer, k_cache), FIELD(Layer, v_cache), -1,
+        sizeof(Chunk), FIELD(Chunk, start), FIELD(Chunk, n), FIELD(Chunk, ctx_slots), FIELD(Chunk, n_ctx), -1,
+        sizeof(StepRows), FIELD(StepRows, t), FIELD(StepRows, slots), FIELD(StepRows, n_decode),
+        FIELD(StepRows, decode_rows), FIELD(StepRows, ctx_slots), FIELD(StepRows, lens),
+        FIELD(StepRows, max_len), FIELD(StepRows, n_chunks), FIELD(StepRows, chunks), -1,
+        sizeof(Shape), FIELD(Shape, layers), FIELD(Shape, hidden), FIELD(Shape, heads),
+        FIELD(Shape, kv_heads), FIELD(Shape, head_dim), FIELD(Shape, intermediate), FIELD(Shape, kv_half),
+        FIELD(Shape, int8_act), FIELD(Shape, eps), FIELD(Shape, scale), FIELD(Shape, final_norm), -1,
+    };
+    int64_t n = (int64_t)(sizeof layout / sizeof layout[0]);
+    for (int64_t i = 0; i < n && i < cap; i++) out[i] = layout[i];
+    return n;
+}
+#undef FIELD
 
 /* Returns nonzero when out of memory. */
 static int64_t linear(const Shape *sh, const QLinear *w, const float *x, int64_t t, float *y) {

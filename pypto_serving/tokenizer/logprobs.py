@@ -11,8 +11,8 @@ import functools
 import re
 from collections.abc import Sequence
 
-from pypto_serving.actors.device_worker import TopLogprob
-from pypto_serving.requests import Candidate, TokenLogprob
+from pypto_serving.core.request import Candidate, TokenLogprob
+from pypto_serving.messages.worker import TopLogprob
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -13,7 +13,7 @@ import asyncio
 import json
 from typing import Any
 
-from pypto_serving.requests import InvalidRequest
+from pypto_serving.core.request import InvalidRequest
 
 
 def response_format_grammar(response_format: dict[str, Any] | None) -> str | None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pypto_serving.app.packaged_models import PackagedModelMissing, resolve_short_name
 from pypto_serving.loader.arch import ModelArch
-from pypto_serving.packaged_models import PackagedModelMissing, resolve_short_name
 
 
 class ModelSourceError(ValueError):

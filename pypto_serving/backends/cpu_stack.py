@@ -1,4 +1,4 @@
-"""A step's whole decoder stack as one C call (kernels/cpu/stack.c), CPU fast path.
+"""A step's whole decoder stack as one C call (kernels/cpu/stack.c): the cpu backend's runner.
 
 At batch 1 a SmolLM2 decode step is ~120 packed matmuls and ~150 small fused kernels; called
 one by one from Python, their dispatch took about as long as their arithmetic, and a 512-token
@@ -54,6 +54,63 @@ class _Shape(ctypes.Structure):
                 ("scale", ctypes.c_float), ("final_norm", _P)]
 
 
+# A struct's sizeof and each field's (offset, size), in declaration order
+Layout = tuple[int, list[tuple[int, int]]]
+Mirrors = list[tuple[str, type[ctypes.Structure]]]
+# The structs above by their names in stack.c, in the order of its `stack_layout`
+MIRRORED: Mirrors = [
+    ("QLinear", _QLinear), ("Layer", _Layer), ("Chunk", _Chunk), ("StepRows", _StepRows), ("Shape", _Shape)]
+
+
+def _c_layouts(lib: ctypes.CDLL) -> list[Layout]:
+    """stack.c's own layouts: `stack_layout` gives per struct its sizeof, then each field's offset
+    and size, then -1."""
+    values = (ctypes.c_int64 * lib.stack_layout(None, 0))()
+    lib.stack_layout(values, len(values))
+    layouts, it = [], iter(values)
+    for size in it:
+        fields = []
+        while (offset := next(it)) != -1:
+            fields.append((offset, next(it)))
+        layouts.append((size, fields))
+    return layouts
+
+
+def _ctypes_layout(cls: type[ctypes.Structure]) -> Layout:
+    """The layout ctypes gives the struct, as `_c_layouts` gives stack.c's."""
+    fields = [getattr(cls, name) for name, *_ in cls._fields_]
+    return ctypes.sizeof(cls), [(f.offset, f.size) for f in fields]
+
+
+def _layout_mismatches(c_layouts: list[Layout], mirrored: Mirrors) -> list[str]:
+    """Where the ctypes structs differ from stack.c's, by struct and field. Fields pair up by
+    position, as step_stack reads them; a missing or extra field also shows as a count."""
+    if len(c_layouts) != len(mirrored):
+        return [f"stack.c describes {len(c_layouts)} structs, cpu_stack.py mirrors {len(mirrored)}"]
+    problems = []
+    for (c_name, cls), (c_size, c_fields) in zip(mirrored, c_layouts, strict=True):
+        size, fields = _ctypes_layout(cls)
+        if size != c_size:
+            problems.append(f"{c_name}: sizeof is {c_size} in stack.c, {size} in {cls.__name__}")
+        if len(fields) != len(c_fields):
+            problems.append(f"{c_name}: {len(c_fields)} fields in stack.c, {len(fields)} in {cls.__name__}")
+        names = [name for name, *_ in cls._fields_]
+        for name, field, c_field in zip(names, fields, c_fields, strict=False):
+            if field != c_field:
+                problems.append(f"{c_name}.{name}: offset {c_field[0]} size {c_field[1]} in stack.c, "
+                                f"offset {field[0]} size {field[1]} in {cls.__name__}")
+    return problems
+
+
+def check_layout(lib: ctypes.CDLL, mirrored: Mirrors | None = None) -> None:
+    """Raises RuntimeError where the ctypes structs (`MIRRORED` by default) do not match
+    stack.c's: step_stack would read the wrong fields (pointers among them) rather than fail."""
+    problems = _layout_mismatches(_c_layouts(lib), MIRRORED if mirrored is None else mirrored)
+    if problems:
+        raise RuntimeError("the ctypes structs of backends/cpu_stack.py do not match kernels/cpu/stack.c "
+                           "(change both together): " + "; ".join(problems))
+
+
 def _qlinear(m: torch.nn.Module) -> _QLinear:
     w = m.weight.packed
     bias = m._panel_bias
@@ -70,6 +127,7 @@ class DecoderStack:
         from pypto_serving.kernels.cpu import library
 
         self._lib = library()
+        check_layout(self._lib)  # cheap (two short C calls), and a DecoderStack is built once per model
         self._model = model
         arch = model.arch
         layers = model.model.layers

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import structlog
 from aiohttp import web
 
-from pypto_serving.engine import Engine
+from pypto_serving.actors.engine import Engine
 from pypto_serving.http.ops import Ops
 
 log = structlog.get_logger()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.parsers.reply import ReplyFormat
 from pypto_serving.parsers.tool_calls import ToolCall, ToolCallDelta
-from pypto_serving.sampling import SamplingParams
 
 
 class InvalidRequest(ValueError):

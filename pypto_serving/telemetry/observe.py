@@ -12,9 +12,9 @@ import time
 
 import structlog
 
-from pypto_serving.metrics import EngineMetrics, finish_label
-from pypto_serving.profiling import SpanRecorder
-from pypto_serving.requests import Finished, Started, TextDelta
+from pypto_serving.core.request import Finished, Started, TextDelta
+from pypto_serving.telemetry.metrics import EngineMetrics, finish_label
+from pypto_serving.telemetry.profiling import SpanRecorder
 
 log = structlog.get_logger()
 

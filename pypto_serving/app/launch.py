@@ -11,19 +11,18 @@ import structlog
 from aiohttp import web
 
 from pypto_serving.actors.device_client import WorkerStartError
-from pypto_serving.cli import FlagError
-from pypto_serving.engine import Engine
+from pypto_serving.actors.engine import Engine
+from pypto_serving.app.model_source import ModelSourceError, resolve_model
+from pypto_serving.app.settings import FlagError, ServerSettings, build_settings, check_flags
+from pypto_serving.app.shutdown import ShutdownSignals, graceful_shutdown
+from pypto_serving.core.request import Finished, GenerateRequest, TextDelta
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.http.ops import Ops
 from pypto_serving.http.server import Handlers, build_app
 from pypto_serving.loader.errors import UnsupportedModel
-from pypto_serving.logs import configure_logging
-from pypto_serving.metrics import EngineMetrics
-from pypto_serving.model_source import ModelSourceError, resolve_model
-from pypto_serving.profiling import Profiler, SpanRecorder
-from pypto_serving.requests import Finished, GenerateRequest, TextDelta
-from pypto_serving.sampling import SamplingParams
-from pypto_serving.settings import ServerSettings, build_settings, check_flags
-from pypto_serving.shutdown import ShutdownSignals, graceful_shutdown
+from pypto_serving.telemetry.logs import configure_logging
+from pypto_serving.telemetry.metrics import EngineMetrics
+from pypto_serving.telemetry.profiling import Profiler, SpanRecorder
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 log = structlog.get_logger()

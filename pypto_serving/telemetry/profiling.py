@@ -213,9 +213,10 @@ class Profiler:
 class WorkerProfiler:
     """The device worker's side: its span recorder plus, at kernel level, the torch profiler."""
 
-    def __init__(self, process_name: str, device_type: str):
+    def __init__(self, process_name: str, activities: tuple[str, ...]):
+        """`activities`: the torch profiler's, by name ("cpu", "cuda"): the backend's."""
         self.recorder = SpanRecorder(process_name)
-        self.device_type = device_type
+        self.activities = activities
         self._torch = None
         self._prefix = ""
 
@@ -224,7 +225,7 @@ class WorkerProfiler:
         self._prefix = prefix
         self.recorder.start(levels)
         if "kernel" in levels or "verbose" in levels:
-            self._torch = _torch_profiler(self.device_type, verbose="verbose" in levels)
+            self._torch = _torch_profiler(self.activities, verbose="verbose" in levels)
             self._torch.start()
 
     def stop(self) -> list[str]:
@@ -247,10 +248,8 @@ class WorkerProfiler:
         return [str(path)]
 
 
-def _torch_profiler(device_type: str, verbose: bool) -> Any:
+def _torch_profiler(names: tuple[str, ...], verbose: bool) -> Any:
     import torch  # only device workers profile kernels
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device_type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    activities = [getattr(torch.profiler.ProfilerActivity, name.upper()) for name in names]
     return torch.profiler.profile(activities=activities, record_shapes=verbose)

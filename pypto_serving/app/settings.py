@@ -9,20 +9,25 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pypto_serving.actors.device_worker import WorkerConfig
+from pypto_serving.actors.engine import CacheConfig, EngineConfig
 from pypto_serving.actors.request import RequestLimits
-from pypto_serving.cli import FlagError
+from pypto_serving.app.model_source import ModelSource
+from pypto_serving.core.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
 from pypto_serving.core.scheduler import SchedulerConfig
-from pypto_serving.engine import CacheConfig, EngineConfig
-from pypto_serving.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
 from pypto_serving.http.protocol import ModelParsers
-from pypto_serving.model_source import ModelSource
+from pypto_serving.messages.worker import WorkerConfig
 from pypto_serving.parsers import reasoning_parser_for, tool_parser_for, tool_parser_name
-from pypto_serving.profiling import DEFAULT_LEVELS, ProfileConfig
+from pypto_serving.telemetry.profiling import DEFAULT_LEVELS, ProfileConfig
+
+
+class FlagError(ValueError):
+    """A bad flag value: one line naming the flag, exit code 2."""
+
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
-_BLOCK_SIZES = {"cpu": 16, "cuda": 16, "npu": 128}
-_DTYPES = {"cpu": "float32", "cuda": "bfloat16", "npu": "bfloat16"}
+_BLOCK_SIZES = {"portable": 16, "cpu": 16, "cuda": 16, "npu": 128}
+_DTYPES = {"portable": "float32", "cpu": "float32", "cuda": "bfloat16", "npu": "bfloat16"}
+_ON_THE_HOST = ("portable", "cpu")  # backends that run in the worker process's own memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +158,7 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
     worker = WorkerConfig(
         model_path=str(source.path), model_format=source.format, arch=source.arch,
         dtype=dtype, kv_cache_dtype=_kv_dtype(args, dtype, quantization),
-        backend=backend, device="cpu" if backend == "cpu" else f"{backend}:{devices[0]}",
+        backend=backend, device="cpu" if backend in _ON_THE_HOST else f"{backend}:{devices[0]}",
         block_size=block_size,
         max_num_blocks=2 * args.max_num_seqs * math.ceil(args.max_model_len / block_size),
         kv_cache_bytes=args.kv_cache_memory or DEFAULT_CPU_KV_BYTES,

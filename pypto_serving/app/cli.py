@@ -6,15 +6,11 @@ import argparse
 import sys
 from typing import NoReturn
 
-from pypto_serving.packaged_models import DEFAULT_MODEL
+from pypto_serving.app.packaged_models import DEFAULT_MODEL
 from pypto_serving.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PROFILE_LEVELS = ("e2e", "kernel", "verbose")
-
-
-class FlagError(ValueError):
-    """A bad flag value: one line naming the flag, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF checkpoint directory, .gguf file or packaged model name (smollm2, "
                         "qwen2.5-coder-0.5b)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--backend", choices=("cpu", "cuda", "npu"), default=None)
+    p.add_argument("--backend", choices=("portable", "cpu", "cuda", "npu"), default=None,
+                   help="portable: the torch reference kernels on the CPU; cpu: packed weights and C "
+                        "kernels (AVX2/FMA/F16C); cuda; npu (default: the accelerator found, else cpu)")
     p.add_argument("--platform", default="a2a3")
     p.add_argument("--device", type=_device_list, default=None, dest="device")
     p.add_argument("--devices", type=_device_list, default=None)
@@ -124,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pypto_serving.launch import launch  # heavy imports only after the flags parse
+    # heavy imports only after the flags parse
+    from pypto_serving.app.launch import launch
+    from pypto_serving.app.settings import FlagError
 
     try:
         return launch(args)

@@ -1,9 +1,14 @@
 """Wires the actors of one replica together and hands out request streams.
 
 The engine is built once from the CLI's frozen configs; http/ and offline mode both use
-`generate()`, which runs one RequestActor per request and observes its events (metrics,
+`generate()`, which runs one RequestStream per request and observes its events (metrics,
 the per-request log lines, trace events) in one place. It also knows which requests are
 in flight, so a graceful shutdown can wait for them or abort them.
+
+One fault policy: an exception inside any engine actor, a failed step or a dead device worker
+is engine death (`_die`): the traceback is logged with the request ids in flight, every
+in-flight request ends with `error` (its KV blocks freed), `dead_reason` says why (/health
+answers 503 with it) and every later request ends with `error` at once.
 """
 
 from __future__ import annotations
@@ -16,19 +21,21 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
+from pypto_serving.actors.base import Actor
 from pypto_serving.actors.device_client import DeviceWorkerClient
-from pypto_serving.actors.device_worker import WorkerConfig, WorkerReady
-from pypto_serving.actors.kv_allocator import KVAllocatorActor
-from pypto_serving.actors.request import RequestActor, RequestLimits
-from pypto_serving.actors.scheduler import AbortAll, SchedulerActor, WorkerDied
+from pypto_serving.actors.request import RequestLimits, RequestStream
+from pypto_serving.actors.scheduler import SchedulerActor
 from pypto_serving.actors.tokenizer import TokenizerActor
 from pypto_serving.core.block_allocator import BlockAllocator
+from pypto_serving.core.request import Finished, GenerateRequest, Started, TextDelta
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
-from pypto_serving.grammar import Grammars
-from pypto_serving.metrics import EngineMetrics
-from pypto_serving.observe import RequestObserver
-from pypto_serving.profiling import SpanRecorder
-from pypto_serving.requests import Finished, GenerateRequest, Started, TextDelta
+from pypto_serving.messages.request import EngineDied
+from pypto_serving.messages.scheduler import AbortAll
+from pypto_serving.messages.worker import WorkerConfig, WorkerReady
+from pypto_serving.parsers.grammar import Grammars
+from pypto_serving.telemetry.metrics import EngineMetrics
+from pypto_serving.telemetry.observe import RequestObserver
+from pypto_serving.telemetry.profiling import SpanRecorder
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -61,13 +68,14 @@ class Engine:
         self.metrics = metrics or EngineMetrics("model", config.limits.max_model_len)
         self.recorder = recorder or SpanRecorder("api-server")
         self._seq_ids = itertools.count()
-        self._in_flight: set[int] = set()
+        self._in_flight: dict[int, RequestStream] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self.worker: DeviceWorkerClient | None = None
         self.ready: WorkerReady | None = None
         self.allocator: BlockAllocator | None = None
         self.scheduler: SchedulerActor | None = None
+        self._dead_reason: str | None = None
         self._tokenizer_json = tokenizer.tokenizers_json()
         self.grammars = Grammars(self._tokenizer_json, config.worker.arch.vocab_size,
                                  tokenizer.eos_token_id)
@@ -82,18 +90,18 @@ class Engine:
         self.ready = await self.worker.start()
         self.allocator = BlockAllocator(self.ready.num_blocks, self.config.cache.block_size,
                                         self.config.cache.enable_prefix_caching)
-        self.kv = KVAllocatorActor(self.allocator)
-        policy = Scheduler(self.config.scheduler)
-        self.scheduler = SchedulerActor(policy, self.kv, self.worker, self.metrics, self.recorder)
+        policy = Scheduler(self.config.scheduler, self.allocator)
+        self.scheduler = SchedulerActor(policy, self.worker, self.metrics, self.recorder,
+                                        on_death=self._die, on_fault=self._fault)
         self.metrics.bind(policy, self.allocator)
-        self.tokenizer_actor = TokenizerActor(self.tokenizer)
+        self.tokenizer_actor = TokenizerActor(self.tokenizer, on_fault=self._fault)
         for actor in self._actors:
             actor.start()
         return self.ready
 
     @property
     def _actors(self) -> tuple:
-        return (self.kv, self.scheduler, self.tokenizer_actor)
+        return (self.scheduler, self.tokenizer_actor)
 
     @property
     def workers(self) -> list[DeviceWorkerClient]:
@@ -103,28 +111,49 @@ class Engine:
         self.scheduler.tell(result)
 
     def _on_death(self, reason: str) -> None:
-        self.scheduler.tell(WorkerDied(reason))
+        self._die(reason)
+
+    def _fault(self, actor: Actor, msg: object, exc: Exception) -> None:
+        """An actor's exception: logged with its traceback, then engine death."""
+        reason = f"{type(actor).__name__} failed on {type(msg).__name__}: {type(exc).__name__}: {exc}"
+        log.error("engine actor failed", actor=type(actor).__name__, message=type(msg).__name__,
+                  request_ids=self._request_ids(), exc_info=exc)
+        self._die(reason)
+
+    def _die(self, reason: str) -> None:
+        """Engine death: see the module docstring. Idempotent."""
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        log.error("engine stopped", reason=reason, request_ids=self._request_ids())
+        try:
+            self.scheduler.die(reason)  # ends its sequences and frees their blocks
+        except Exception:  # a broken scheduler: the requests still hear of it below
+            log.exception("the scheduler could not end its sequences")
+        for stream in self._in_flight.values():
+            stream.tell(EngineDied(reason))  # those the scheduler had not yet been told of
+
+    def _request_ids(self) -> list[str]:
+        return [s.request.request_id for s in self._in_flight.values()]
 
     @property
     def dead_reason(self) -> str | None:
-        """Why the engine cannot serve: a dead device worker or a stopped actor loop."""
-        if self.scheduler is None:
-            return None
-        if self.scheduler.dead_reason is not None:
-            return self.scheduler.dead_reason
+        """Why the engine cannot serve: engine death, or a stopped actor loop."""
+        if self._dead_reason is not None or self.scheduler is None:
+            return self._dead_reason
         stopped = [type(a).__name__ for a in self._actors if not a.alive]
         return f"engine loop stopped: {', '.join(stopped)}" if stopped else None
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         seq_id = next(self._seq_ids)
-        actor = RequestActor(request, seq_id, self.tokenizer, self.tokenizer_actor,
-                             self.scheduler, self.config.limits, self.grammars)
+        stream = RequestStream(request, seq_id, self.tokenizer, self.tokenizer_actor,
+                               self.scheduler, self.config.limits, self.grammars)
         observer = RequestObserver(request.request_id, self.metrics, self.recorder)
-        return self._observed(seq_id, actor.events(), observer)
+        return self._observed(stream, observer)
 
-    async def _observed(self, seq_id: int, events: AsyncIterator[Event],
-                        observer: RequestObserver) -> AsyncIterator[Event]:
-        self._in_flight.add(seq_id)
+    async def _observed(self, stream: RequestStream, observer: RequestObserver) -> AsyncIterator[Event]:
+        seq_id, events = stream.seq_id, stream.events()
+        self._in_flight[seq_id] = stream
         self._idle.clear()
         try:
             async for event in events:
@@ -133,7 +162,7 @@ class Engine:
         finally:
             await events.aclose()  # a request closed early sends its Abort now
             observer.close()
-            self._in_flight.discard(seq_id)
+            self._in_flight.pop(seq_id, None)
             if not self._in_flight:
                 self._idle.set()
 
@@ -162,6 +191,6 @@ class Engine:
             self.worker.kill()
 
     async def shutdown(self) -> None:
-        for actor in (self.tokenizer_actor, self.scheduler, self.kv):
+        for actor in (self.tokenizer_actor, self.scheduler):
             await actor.stop()
         await self.worker.stop()

@@ -1,0 +1,39 @@
+"""The cuda backend: torch's kernels on an NVIDIA GPU, SDPA for prefill attention, the KV
+cache sized from `--gpu-memory-utilization` after a forward of the largest step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from pypto_serving.backends.portable import PortableBackend
+from pypto_serving.kernels.decoder_ops import SDPA, DecoderOps
+
+
+class CudaBackend(PortableBackend):
+    name = "cuda"
+    profiler_activities = ("cpu", "cuda")
+
+    @property
+    def memory(self) -> ModuleType:
+        """The device's memory API (torch.cuda; torch.npu registers the same one)."""
+        return torch.cuda
+
+    def decoder_ops(self, packed: bool) -> DecoderOps:
+        return SDPA
+
+    def kv_budget(self, host_bytes: int, utilization: float, weight_bytes: int,
+                  largest_step: Callable[[], None], sampler_bytes: int) -> int:
+        """utilization x total device memory, less the weights, the largest step's peak
+        activations (measured by running it) and the sampler's copies of the logits."""
+        mem, device = self.memory, self.device
+        mem.synchronize(device)
+        mem.reset_peak_memory_stats(device)
+        before = mem.memory_allocated(device)
+        largest_step()
+        peak = mem.max_memory_allocated(device) - before
+        mem.empty_cache()
+        total = mem.mem_get_info(device)[1]
+        return int(utilization * total) - weight_bytes - peak - sampler_bytes

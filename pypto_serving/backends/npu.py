@@ -1,0 +1,24 @@
+"""The npu backend: torch_npu on an Ascend NPU; the cuda backend's memory accounting through
+torch.npu, which torch_npu registers with the same API."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pypto_serving.backends.cuda import CudaBackend
+
+
+class NpuBackend(CudaBackend):
+    name = "npu"
+    profiler_activities = ("cpu",)
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        import torch_npu  # noqa: F401  - only on Ascend machines; registers the npu device type
+
+        super().__init__(torch.device(device), dtype)
+
+    @property
+    def memory(self) -> ModuleType:
+        return torch.npu

@@ -1,0 +1,98 @@
+"""The portable backend: plain torch on any device, the reference every other backend's
+kernels are tested against.
+
+A backend is chosen once, in the device worker, from `--backend`. It owns what differs
+between devices: weight packing and the kernels that read it (linears, embedding gathers),
+the decoder ops (norms, activation, rotary + KV write + attention), argmax, the optional
+whole-stack runner, KV cache allocation and its memory budget, the heap policy of the
+worker process, and the profiler's activities. Nothing outside `backends/` branches on the
+device type; the model runner calls these hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar, Protocol
+
+import torch
+
+from pypto_serving.kernels.attention import AttentionMetadata
+from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
+from pypto_serving.models.llama import LlamaForCausalLM
+from pypto_serving.models.quant import ACTIVATION_QUANTIZATIONS, PORTABLE_KERNELS, LayerFactory, QuantKernels
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class StackRunner(Protocol):
+    """A backend's whole decoder stack in one call (see backends/cpu_stack.py)."""
+
+    def applies(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor: ...
+
+
+class PortableBackend:
+    name: ClassVar[str] = "portable"
+    profiler_activities: ClassVar[tuple[str, ...]] = ("cpu",)
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+
+    # -- the model's layers ------------------------------------------------------
+    def quant_kernels(self, int8_activations: bool) -> QuantKernels:
+        """Packing and the matmul/gather over packed weights (float32 activations here)."""
+        return PORTABLE_KERNELS
+
+    def decoder_ops(self, packed: bool) -> DecoderOps:
+        """The decoder's kernel set; `packed`: the linears are packed (not the exact path)."""
+        return PORTABLE
+
+    def layers(self, quantization: str, activations: str = "none") -> LayerFactory:
+        """The model's linears, embedding and decoder ops for one quantization setting;
+        `activations` "int8": the packed matmuls quantize their inputs where they can."""
+        if activations not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(f"unknown activation quantization {activations!r}; "
+                             f"expected one of {ACTIVATION_QUANTIZATIONS}")
+        return LayerFactory(quantization, self.quant_kernels(activations == "int8"),
+                            self.decoder_ops(quantization != "none"))
+
+    def kernels_used(self, quantization: str, activations: str) -> tuple[str, str]:
+        """(kernels, activation quantization) the packed matmuls really run, for the log."""
+        if quantization == "none":
+            return "portable", "none"
+        kernels = self.quant_kernels(activations == "int8")
+        native = kernels.matmul is not PORTABLE_KERNELS.matmul
+        return ("c" if native else "portable"), ("int8" if kernels.int8_activations else "none")
+
+    def stack(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> StackRunner | None:
+        """A runner of the whole stack in one call, where this backend has one that fits."""
+        return None
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
+    # -- memory ------------------------------------------------------------------
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """KV cache storage. Zeros, not empty: padded context slots are masked, but 0 * NaN
+        garbage would still be NaN."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def kv_budget(self, host_bytes: int, utilization: float, weight_bytes: int,
+                  largest_step: Callable[[], None], sampler_bytes: int) -> int:
+        """Bytes the KV cache may take: on the host, the `--kv-cache-memory` budget."""
+        return host_bytes
+
+    # -- the worker's life ---------------------------------------------------------
+    def before_loading(self) -> None:
+        """Before the weights load."""
+
+    def after_loading(self) -> None:
+        """The weights and the KV cache are in place."""
+
+    def after_step(self, decode_only: bool) -> None:
+        """After each step."""
+
+    def idle(self) -> None:
+        """No step came for a while."""

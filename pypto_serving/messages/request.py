@@ -1,0 +1,43 @@
+"""What a request stream receives: `Encoded`/`Rejected` from the tokenizer, `Tokens` from the
+scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pypto_serving.messages.worker import TopLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    token_ids: tuple[int, ...]
+    text: str  # the prompt as the model reads it (a chat prompt after its template)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """New tokens of a sequence; `finish_reason` set on the last message about it."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[tuple[TopLogprob, ...], ...] = ()
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDied:
+    """From the engine: it cannot serve any more (a fault, a dead worker); end now."""
+
+    reason: str
+
+
+# Everything a request stream receives.
+RequestInbox = Encoded | Rejected | Tokens | EngineDied

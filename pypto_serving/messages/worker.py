@@ -1,0 +1,121 @@
+"""The device worker's pipe messages (msgpack-encoded msgspec Structs), both directions.
+
+To the worker: `WorkerConfig` once at start, then `StepPlan` per step, `StartProfile` /
+`StopProfile` around a profile, `Shutdown` at the end. From the worker: `WorkerReady` (or
+`WorkerFailed`) as the handshake, then one `StepResult` per `StepPlan` and one
+`ProfileStopped` per `StopProfile`, in order. A leaf: imports nothing of ours above it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.loader.arch import ModelArch
+
+
+class WorkerConfig(msgspec.Struct, frozen=True):
+    model_path: str  # HF checkpoint directory or .gguf file
+    model_format: str  # "hf" or "gguf"
+    arch: ModelArch
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    kv_cache_dtype: str
+    backend: str  # "cpu" | "cuda" | "npu"
+    device: str  # torch device string, e.g. "cpu", "cuda:0"
+    block_size: int
+    max_num_blocks: int  # upper bound on KV blocks (enough for every running sequence)
+    kv_cache_bytes: int  # memory budget for the KV cache on the CPU
+    gpu_memory_utilization: float  # fraction of device memory for weights + KV on accelerators
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    log_format: str = "console"
+    log_level: str = "info"
+    quantization: str = "none"  # weight-only: "none" | "int8" | "int4" | "auto" (models/quant.py)
+    activation_quantization: str = "none"  # "int8": the CPU's packed matmuls quantize their inputs
+    tokenizer_json: str = ""  # HF tokenizers JSON for grammar masks; "" = no constrained decoding
+    eos_token_id: int | None = None  # the EOS llguidance allows once a grammar is complete
+
+
+class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's share of a step.
+
+    `token_ids` are the tokens whose KV is computed this step, at positions
+    `start_pos .. start_pos + len(token_ids) - 1`. With `reset` the worker (re)starts the
+    sequence: `prefix_ids` are the tokens already in the KV cache (prefix-cache hits, so
+    len(prefix_ids) == start_pos), `new_block_ids` is the whole block table, `sampling` is
+    set, and `num_prompt_tokens` tells where generated tokens begin (after a preemption,
+    tokens past the prompt are earlier outputs being recomputed). Without `reset`,
+    `new_block_ids` are appended to the block table the worker already has. `sample` is
+    true when the chunk ends at the last known token, so one new token is sampled after it.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    new_block_ids: list[int]
+    sample: bool
+    reset: bool = False
+    prefix_ids: list[int] = []
+    num_prompt_tokens: int = 0
+    sampling: SamplingParams | None = None
+
+
+class StepPlan(msgspec.Struct, frozen=True, tag=True):
+    step_id: int
+    seqs: list[ScheduledSeq]
+    finished: list[int] = []  # sequence ids whose state the worker can drop
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class StartProfile(msgspec.Struct, frozen=True, tag=True):
+    levels: list[str]  # e2e, kernel, verbose
+    prefix: str  # fragment path prefix; the worker appends its own name
+
+
+class StopProfile(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class ProfileStopped(msgspec.Struct, frozen=True, tag=True):
+    paths: list[str]  # the fragments this worker wrote
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class StepResult(msgspec.Struct, frozen=True, tag=True):
+    """Tokens sampled in one step: `token_ids[i]` belongs to `seq_ids[i]`.
+
+    `seq_ids` lists exactly the scheduled sequences with `sample` true, in plan order.
+    `logprobs[i]` is the chosen token's logprob, when its sequence asked for logprobs
+    (else 0.0); `top_logprobs[i]` its top-k list (empty when not asked).
+    """
+
+    step_id: int
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] = []
+    top_logprobs: list[list[TopLogprob]] = []
+    error: str | None = None
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag=True):
+    num_blocks: int
+    weight_bytes: int
+    kv_cache_bytes: int
+    # what the matmuls really run: "c" (kernels/cpu, built on this machine) or "portable",
+    # and "int8" only where the C kernels quantize the activations
+    kernels: str = "portable"
+    activation_quantization: str = "none"
+
+
+class WorkerFailed(msgspec.Struct, frozen=True, tag=True):
+    message: str
+
+

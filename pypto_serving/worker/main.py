@@ -1,0 +1,146 @@
+"""The device-worker process: `python -m pypto_serving.worker.main FD`.
+
+`DeviceWorkerClient` (actors/device_client.py) starts it with one end of a socket pair as FD
+and sends the encoded `WorkerConfig` as the first message; the messages are in
+messages/worker.py. A plain subprocess, not a multiprocess "spawn" child: spawning also
+starts multiprocess's resource-tracker process (~17 MiB resident for the server's
+lifetime), which guards semaphores and shared memory that the worker never uses.
+
+Handshake, then one reply per request. State owned: model weights, KV cache tensors,
+per-sequence sampler state, its profiler. Knows nothing of queues, HTTP or scheduling
+policy; executes plans as given.
+Signals: ignores SIGINT and SIGTERM (a terminal's Ctrl-C or `timeout` reach the whole process
+group); the API process drains requests, then sends `Shutdown`; a closed pipe also ends it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+
+import msgspec
+import structlog
+from multiprocess.connection import Connection
+
+from pypto_serving.messages.worker import (
+    ProfileStopped,
+    Shutdown,
+    StartProfile,
+    StepPlan,
+    StepResult,
+    StopProfile,
+    WorkerConfig,
+    WorkerFailed,
+    WorkerReady,
+)
+from pypto_serving.telemetry.logs import capture_stray_output, configure_logging
+from pypto_serving.telemetry.profiling import WorkerProfiler
+
+log = structlog.get_logger()
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    os.set_inheritable(fd, False)  # a process the worker starts must not keep the pipe open
+    conn = Connection(fd)
+    try:
+        config = conn.recv_bytes()
+    except EOFError:  # the server went away before sending the config
+        return
+    worker_main(conn, config)
+
+
+def worker_main(conn: object, config: bytes) -> None:
+    """Entry point of the device-worker process: handshake, then one reply per request."""
+    cfg = msgspec.msgpack.decode(config, type=WorkerConfig)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    restore = capture_stray_output() if cfg.log_format == "json" else None
+    configure_logging(cfg.log_format, cfg.log_level)
+    try:
+        _run(conn, cfg)
+    except Exception:
+        log.exception("device worker failed", device=cfg.device)
+    finally:
+        if restore is not None:
+            restore()
+
+
+def _run(conn: object, cfg: WorkerConfig) -> None:
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        runner = _build_runner(cfg)
+    except Exception as exc:  # reported to the parent, which exits with the message
+        conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        return
+    # What loading made (modules, the model) lives as long as the process: out of the cyclic
+    # collector's sight, a full collection during a step walks only what steps made (it took
+    # ~3% of a prefill's time walking torch's and the model's objects). The price: a frozen
+    # object that later becomes cyclic garbage is never freed; the runner keeps its model,
+    # caches and kernels for the process's life, so only load-time leftovers could be.
+    gc.collect()
+    gc.freeze()
+    conn.send_bytes(encoder.encode(
+        WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes, runner.kernels,
+                    runner.activation_quantization)))
+    from pypto_serving.backends import BACKENDS
+
+    activities = BACKENDS[cfg.backend].profiler_activities
+    _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device}", activities))
+
+
+def _build_runner(cfg: WorkerConfig) -> object:
+    from pypto_serving.worker.model_runner import ModelRunner  # torch only in this process
+
+    return ModelRunner(cfg)
+
+
+IDLE_AFTER_S = 1.0  # a worker this long without a step plan counts as idle
+
+
+def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
+           profiler: WorkerProfiler) -> None:
+    decoder = msgspec.msgpack.Decoder(StepPlan | Shutdown | StartProfile | StopProfile)
+    idle = True
+    while True:
+        try:
+            if not idle and not conn.poll(IDLE_AFTER_S):
+                runner.idle()  # no step for a while: hand back what the last ones kept
+                idle = True
+            msg = decoder.decode(conn.recv_bytes())
+            idle = idle and not isinstance(msg, StepPlan)
+        except (EOFError, OSError):  # the parent is gone: leave no orphan behind
+            return
+        match msg:
+            case StepPlan():
+                reply = _execute(runner, msg, profiler)
+            case StartProfile(levels, prefix):
+                profiler.start(levels, prefix)
+                continue
+            case StopProfile():
+                reply = ProfileStopped(profiler.stop())
+            case Shutdown():
+                return
+            case _:
+                raise TypeError(f"device worker cannot handle {type(msg).__name__}")
+        try:
+            conn.send_bytes(encoder.encode(reply))
+        except OSError:
+            return
+
+
+def _execute(runner: object, plan: StepPlan, profiler: WorkerProfiler) -> StepResult:
+    tokens = sum(len(s.token_ids) for s in plan.seqs)
+    try:
+        with profiler.recorder.span("forward", "worker", step_id=plan.step_id,
+                                    seqs=len(plan.seqs), tokens=tokens):
+            return runner.execute(plan)
+    except Exception as exc:
+        log.exception("step failed", step_id=plan.step_id)
+        return StepResult(plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    main()
