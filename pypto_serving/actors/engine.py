@@ -121,17 +121,17 @@ class Engine:
         self._die(reason)
 
     def _die(self, reason: str) -> None:
-        """Engine death: see the module docstring. Idempotent."""
-        if self._dead_reason is not None:
-            return
-        self._dead_reason = reason
-        log.error("engine stopped", reason=reason, request_ids=self._request_ids())
-        try:
-            self.scheduler.die(reason)  # ends its sequences and frees their blocks
-        except Exception:  # a broken scheduler: the requests still hear of it below
-            log.exception("the scheduler could not end its sequences")
+        """Engine death: see the module docstring. A second death (a fault after the first)
+        only ends the requests in flight again: the one it interrupted must hear of it."""
+        if self._dead_reason is None:
+            self._dead_reason = reason
+            log.error("engine stopped", reason=reason, request_ids=self._request_ids())
+            try:
+                self.scheduler.die(reason)  # ends its sequences and frees their blocks
+            except Exception:  # a broken scheduler: the requests still hear of it below
+                log.exception("the scheduler could not end its sequences")
         for stream in self._in_flight.values():
-            stream.tell(EngineDied(reason))  # those the scheduler had not yet been told of
+            stream.tell(EngineDied(self._dead_reason))  # those the scheduler was not told of
 
     def _request_ids(self) -> list[str]:
         return [s.request.request_id for s in self._in_flight.values()]
@@ -155,6 +155,8 @@ class Engine:
         seq_id, events = stream.seq_id, stream.events()
         self._in_flight[seq_id] = stream
         self._idle.clear()
+        if self._dead_reason is not None:  # ends before the (maybe broken) actors see it
+            stream.tell(EngineDied(self._dead_reason))
         try:
             async for event in events:
                 observer.on_event(event)

@@ -139,6 +139,9 @@ class Handlers:
                     dones.append(event)
                     await response.write(_sse(renderer.chunk(
                         index, logprobs=held[index], finish_reason=event.finish_reason)))
+                    if event.finish_reason == "error":  # the engine's reason, as an event
+                        await response.write(_sse(stream_error(event.error or "engine error",
+                                                               "engine_error", 500)))
         else:
             await response.write(_sse(renderer.usage_chunk(dones)))
         await response.write(b"data: [DONE]\n\n")

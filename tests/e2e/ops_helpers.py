@@ -42,7 +42,7 @@ class BackgroundStream(threading.Thread):
 
     @property
     def finish_reason(self) -> str | None:
-        reasons = [c["choices"][0]["finish_reason"] for c in self.chunks() if c["choices"]]
+        reasons = [c["choices"][0]["finish_reason"] for c in self.chunks() if c.get("choices")]
         return next((r for r in reversed(reasons) if r), None)
 
     @property

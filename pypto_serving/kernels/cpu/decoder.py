@@ -108,11 +108,11 @@ def _check_inputs(kernel: str, k_cache: torch.Tensor, v_cache: torch.Tensor, d: 
                              f"head_dim, got {cache.dtype} {tuple(cache.shape)}")
 
 
-def fp32_rows(fast: Callable, portable: Callable) -> Callable:
-    """`fast` for contiguous 2-D float32 rows of a width the kernels take (multiple of 8)."""
+def fp32_rows(c_kernel: Callable, portable: Callable) -> Callable:
+    """`c_kernel` for contiguous 2-D float32 rows of a width the kernels take (multiple of 8)."""
     def pick(x: torch.Tensor, *args: object) -> object:
         ok = x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 8 == 0
-        return (fast if ok else portable)(x, *args)
+        return (c_kernel if ok else portable)(x, *args)
 
     return pick
 
