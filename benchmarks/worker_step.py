@@ -20,7 +20,21 @@ import time
 from pypto_serving.app.packaged_models import smollm2_path
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.loader.gguf_file import arch_from_gguf
-from pypto_serving.messages.worker import ScheduledSeq, StepPlan, WorkerConfig
+from pypto_serving.messages.worker import (
+    ActivationQuantization,
+    BackendName,
+    DeviceConfig,
+    DType,
+    KVCacheConfig,
+    ModelConfig,
+    ModelFormat,
+    QuantConfig,
+    Quantization,
+    ScheduledSeq,
+    StepLimits,
+    StepPlan,
+    WorkerConfig,
+)
 from pypto_serving.worker.model_runner import ModelRunner
 
 BLOCK = 16
@@ -29,13 +43,15 @@ MAX_LEN = 1024  # the runner's max_model_len: the prompt and every step must fit
 
 
 def runner_for(path: str, max_seqs: int, quantization: str, activations: str) -> ModelRunner:
+    packed = quantization != "none"
     return ModelRunner(WorkerConfig(
-        model_path=path, model_format="gguf", arch=arch_from_gguf(path), dtype="float32",
-        kv_cache_dtype="float16" if quantization != "none" else "float32", backend="cpu",
-        device="cpu", block_size=BLOCK, max_num_blocks=max_seqs * MAX_LEN // BLOCK, kv_cache_bytes=1 << 28,
-        gpu_memory_utilization=0.9, max_num_seqs=max_seqs, max_model_len=MAX_LEN,
-        max_num_batched_tokens=4096, quantization=quantization,
-        activation_quantization=activations if quantization != "none" else "none"))
+        model=ModelConfig(path, ModelFormat.GGUF, arch_from_gguf(path)),
+        device=DeviceConfig(BackendName.CPU, "cpu", DType.FLOAT32,
+                            DType.FLOAT16 if packed else DType.FLOAT32),
+        kv_cache=KVCacheConfig(BLOCK, max_seqs * MAX_LEN // BLOCK, host_bytes=1 << 28),
+        limits=StepLimits(max_num_seqs=max_seqs, max_model_len=MAX_LEN, max_num_batched_tokens=4096),
+        quant=QuantConfig(Quantization(quantization),
+                          ActivationQuantization(activations if packed else "none"))))
 
 
 class Decoder:

@@ -31,7 +31,7 @@ def worker(source, *flags: str):
 ])
 def test_activation_quantization_follows_the_weights(smollm2, flags, weights, activations) -> None:
     cfg = worker(smollm2, *flags)
-    assert (cfg.quantization, cfg.activation_quantization) == (weights, activations)
+    assert (cfg.quant.weights, cfg.quant.activations) == (weights, activations)
 
 
 def test_int8_activations_without_packed_weights_are_refused(smollm2) -> None:
@@ -70,7 +70,7 @@ def test_the_startup_log_says_what_the_worker_runs(kernels) -> None:
 
     engine = SimpleNamespace(start=start, workers=[SimpleNamespace(process=SimpleNamespace(pid=7))],
                              config=SimpleNamespace(worker=SimpleNamespace(
-                                 quantization="auto", activation_quantization="int8")))
+                                 quant=SimpleNamespace(weights="auto", activations="int8"))))
     with capture_logs() as logs:
         asyncio.run(_start_engine(engine))
     loaded = next(e for e in logs if e["event"] == "model loaded")

@@ -62,11 +62,17 @@ class Actor(Generic[Msg]):
                 return
             try:
                 await self.receive(msg)
+                if self._inbox.empty():
+                    self.drained()
             except Exception as exc:
                 self.on_fault(self, msg, exc)
 
     async def receive(self, msg: Msg) -> None:
         raise NotImplementedError
+
+    def drained(self) -> None:
+        """Called when the mailbox has just been emptied: work that is best done once for
+        everything that arrived together (a scheduler plans one step for a wave of requests)."""
 
 
 def unknown(actor: object, msg: object) -> NoReturn:

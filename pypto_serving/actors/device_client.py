@@ -142,7 +142,7 @@ class DeviceWorkerClient:
         try:
             return await asyncio.wait_for(self._profile_reply, timeout)
         except TimeoutError:
-            log.warning("device worker did not return its profile", device=self.cfg.device)
+            log.warning("device worker did not return its profile", device=self.cfg.device.device)
             return []
 
     def _readable(self) -> None:
@@ -174,7 +174,8 @@ class DeviceWorkerClient:
             self._sentinel = None
         if not self._stopping:
             self._join(0.1)
-            self._on_death(f"device worker {self.cfg.device} died (exit code {self.process.returncode})")
+            device = self.cfg.device.device
+            self._on_death(f"device worker {device} died (exit code {self.process.returncode})")
 
     def kill(self) -> None:
         """At once, without waiting (a second shutdown signal)."""

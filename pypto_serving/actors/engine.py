@@ -31,7 +31,7 @@ from pypto_serving.core.request import Finished, GenerateRequest, Started, TextD
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.messages.request import EngineDied
 from pypto_serving.messages.scheduler import AbortAll
-from pypto_serving.messages.worker import WorkerConfig, WorkerReady
+from pypto_serving.messages.worker import GrammarConfig, WorkerConfig, WorkerReady
 from pypto_serving.parsers.grammar import Grammars
 from pypto_serving.telemetry.metrics import EngineMetrics
 from pypto_serving.telemetry.observe import RequestObserver
@@ -77,16 +77,15 @@ class Engine:
         self.scheduler: SchedulerActor | None = None
         self._dead_reason: str | None = None
         self._tokenizer_json = tokenizer.tokenizers_json()
-        self.grammars = Grammars(self._tokenizer_json, config.worker.arch.vocab_size,
+        self.grammars = Grammars(self._tokenizer_json, config.worker.model.arch.vocab_size,
                                  tokenizer.eos_token_id)
 
     async def start(self) -> WorkerReady:
         """Starts the device worker (loads weights), then the actors around it."""
         # The worker indexes the vocabulary for constrained decoding from the same tokenizer.
-        worker_config = msgspec.structs.replace(
-            self.config.worker, tokenizer_json=self._tokenizer_json or "",
-            eos_token_id=self.tokenizer.eos_token_id)
-        self.worker = self._worker_factory(worker_config, self._on_result, self._on_death)
+        grammar = GrammarConfig(self._tokenizer_json or "", self.tokenizer.eos_token_id)
+        worker_config = msgspec.structs.replace(self.config.worker, grammar=grammar)
+        self.worker = self._worker_factory(worker_config, self._on_result, self._die)
         self.ready = await self.worker.start()
         self.allocator = BlockAllocator(self.ready.num_blocks, self.config.cache.block_size,
                                         self.config.cache.enable_prefix_caching)
@@ -109,9 +108,6 @@ class Engine:
 
     def _on_result(self, result: object) -> None:
         self.scheduler.tell(result)
-
-    def _on_death(self, reason: str) -> None:
-        self._die(reason)
 
     def _fault(self, actor: Actor, msg: object, exc: Exception) -> None:
         """An actor's exception: logged with its traceback, then engine death."""

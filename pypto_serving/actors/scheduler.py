@@ -81,7 +81,11 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self._reply_to[msg.seq_id] = msg.reply_to
         lane = self.recorder.acquire_lane() if self.recorder.active else None
         self._queued[msg.seq_id] = (clock_us(), lane)
-        if not self.scheduler.in_flight:
+
+    def drained(self) -> None:
+        """Nothing in flight but work waiting (new submissions, blocks freed by an abort):
+        one step for everything that arrived together."""
+        if not self.scheduler.in_flight and self.scheduler.has_work and self.dead_reason is None:
             self._step(None)
 
     def _step_done(self, result: StepResult) -> None:

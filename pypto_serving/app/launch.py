@@ -69,13 +69,13 @@ async def _start_engine(engine: Engine) -> None:
     worker = engine.config.worker
     log.info("model loaded", seconds=round(time.monotonic() - t0, 2),
              weights_mib=ready.weight_bytes >> 20, kv_cache_mib=ready.kv_cache_bytes >> 20,
-             quantization=worker.quantization, kernels=ready.kernels,
+             quantization=worker.quant.weights, kernels=ready.kernels,
              activation_quantization=ready.activation_quantization,
              worker_pids=[w.process.pid for w in engine.workers])
-    if worker.activation_quantization != ready.activation_quantization:
+    if worker.quant.activations != ready.activation_quantization:
         log.warning("the CPU's C kernels cannot run here (they need AVX2, FMA and F16C and a C "
                     "compiler): packed matmuls run the portable kernels with float32 activations",
-                    requested_activation_quantization=worker.activation_quantization)
+                    requested_activation_quantization=worker.quant.activations)
 
 
 def _profiler(settings: ServerSettings, engine: Engine) -> Profiler | None:
@@ -88,8 +88,9 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
     cfg, sched = settings.engine, settings.engine.scheduler
     log.info(f"Serving on http://{settings.host}:{settings.port}", host=settings.host,
              port=settings.port)
-    log.info(f"Model: {settings.served_name} ({cfg.worker.model_path}, {cfg.worker.arch.family}, "
-             f"dtype {cfg.worker.dtype})")
+    model = cfg.worker.model
+    log.info(f"Model: {settings.served_name} ({model.path}, {model.arch.family}, "
+             f"dtype {cfg.worker.device.dtype})")
     log.info(f"Platform: {settings.platform}, backend {settings.backend}, "
              f"device groups {[list(settings.devices)]}")
     log.info("Parallelism: replicas 1, dp 1, tp 1")

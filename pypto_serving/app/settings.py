@@ -15,7 +15,21 @@ from pypto_serving.app.model_source import ModelSource
 from pypto_serving.core.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
 from pypto_serving.core.scheduler import SchedulerConfig
 from pypto_serving.http.protocol import ModelParsers
-from pypto_serving.messages.worker import WorkerConfig
+from pypto_serving.messages.worker import (
+    ActivationQuantization,
+    BackendName,
+    DeviceConfig,
+    DType,
+    KVCacheConfig,
+    LogConfig,
+    LogFormat,
+    ModelConfig,
+    ModelFormat,
+    QuantConfig,
+    Quantization,
+    StepLimits,
+    WorkerConfig,
+)
 from pypto_serving.parsers import reasoning_parser_for, tool_parser_for, tool_parser_name
 from pypto_serving.telemetry.profiling import DEFAULT_LEVELS, ProfileConfig
 
@@ -153,26 +167,35 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
         raise FlagError(f"--max-model-len {args.max_model_len} exceeds the model's context "
                         f"length ({source.arch.max_position_embeddings})")
     block_size = args.block_size or _BLOCK_SIZES[backend]
-    dtype = _DTYPES[backend] if args.dtype == "auto" else args.dtype
-    quantization = _quantization(args, backend)
-    worker = WorkerConfig(
-        model_path=str(source.path), model_format=source.format, arch=source.arch,
-        dtype=dtype, kv_cache_dtype=_kv_dtype(args, dtype, quantization),
-        backend=backend, device="cpu" if backend in _ON_THE_HOST else f"{backend}:{devices[0]}",
-        block_size=block_size,
-        max_num_blocks=2 * args.max_num_seqs * math.ceil(args.max_model_len / block_size),
-        kv_cache_bytes=args.kv_cache_memory or DEFAULT_CPU_KV_BYTES,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        log_format=args.log_format, log_level=args.log_level, quantization=quantization,
-        activation_quantization=_activation_quantization(args, backend, dtype, quantization),
-    )
+    worker = _worker(args, source, backend, devices, block_size)
     engine = EngineConfig(worker, _scheduler(args), CacheConfig(block_size, args.enable_prefix_caching),
                           RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len))
     return ServerSettings(engine, defaults, args.served_model_name or source.default_name, backend,
                           args.platform, devices, args.host, args.port, _profile(args),
                           args.shutdown_timeout, _parsers(args, source.arch.family))
+
+
+def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices: tuple[int, ...],
+            block_size: int) -> WorkerConfig:
+    dtype = _DTYPES[backend] if args.dtype == "auto" else args.dtype
+    quantization = _quantization(args, backend)
+    device = "cpu" if backend in _ON_THE_HOST else f"{backend}:{devices[0]}"
+    return WorkerConfig(
+        model=ModelConfig(str(source.path), ModelFormat(source.format), source.arch),
+        device=DeviceConfig(BackendName(backend), device, DType(dtype),
+                            DType(_kv_dtype(args, dtype, quantization))),
+        kv_cache=KVCacheConfig(block_size, _max_blocks(args, block_size),
+                               args.kv_cache_memory or DEFAULT_CPU_KV_BYTES, args.gpu_memory_utilization),
+        limits=StepLimits(args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens),
+        quant=QuantConfig(Quantization(quantization), ActivationQuantization(
+            _activation_quantization(args, backend, dtype, quantization))),
+        log=LogConfig(LogFormat(args.log_format), args.log_level),
+    )
+
+
+def _max_blocks(args: argparse.Namespace, block_size: int) -> int:
+    """Enough KV blocks for every running sequence at full length, twice over."""
+    return 2 * args.max_num_seqs * math.ceil(args.max_model_len / block_size)
 
 
 def _parsers(args: argparse.Namespace, family: str) -> ModelParsers:

@@ -8,33 +8,103 @@ To the worker: `WorkerConfig` once at start, then `StepPlan` per step, `StartPro
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.loader.arch import ModelArch
 
 
-class WorkerConfig(msgspec.Struct, frozen=True):
-    model_path: str  # HF checkpoint directory or .gguf file
-    model_format: str  # "hf" or "gguf"
+class ModelFormat(enum.StrEnum):
+    HF = "hf"  # a Hugging Face checkpoint directory
+    GGUF = "gguf"
+
+
+class BackendName(enum.StrEnum):
+    PORTABLE = "portable"
+    CPU = "cpu"
+    CUDA = "cuda"
+    NPU = "npu"
+
+
+class DType(enum.StrEnum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    AUTO = "auto"  # the KV cache only: the model's dtype
+
+
+class Quantization(enum.StrEnum):
+    """Weight-only packing (models/quant.py)."""
+
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+    AUTO = "auto"  # int4 where the weights sit on a 4-bit grid (lossless), else int8
+
+
+class ActivationQuantization(enum.StrEnum):
+    NONE = "none"
+    INT8 = "int8"  # the CPU's packed matmuls quantize their inputs per row and group of 32
+
+
+class LogFormat(enum.StrEnum):
+    CONSOLE = "console"
+    JSON = "json"
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    path: str  # HF checkpoint directory or .gguf file
+    format: ModelFormat
     arch: ModelArch
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    kv_cache_dtype: str
-    backend: str  # "cpu" | "cuda" | "npu"
+
+
+class DeviceConfig(msgspec.Struct, frozen=True):
+    backend: BackendName
     device: str  # torch device string, e.g. "cpu", "cuda:0"
+    dtype: DType
+    kv_cache_dtype: DType = DType.AUTO
+
+
+class QuantConfig(msgspec.Struct, frozen=True):
+    weights: Quantization = Quantization.NONE
+    activations: ActivationQuantization = ActivationQuantization.NONE
+
+
+class KVCacheConfig(msgspec.Struct, frozen=True):
     block_size: int
     max_num_blocks: int  # upper bound on KV blocks (enough for every running sequence)
-    kv_cache_bytes: int  # memory budget for the KV cache on the CPU
-    gpu_memory_utilization: float  # fraction of device memory for weights + KV on accelerators
+    host_bytes: int  # the budget where the KV cache lives in host memory (portable, cpu)
+    gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV on accelerators
+
+
+class StepLimits(msgspec.Struct, frozen=True):
     max_num_seqs: int
     max_model_len: int
     max_num_batched_tokens: int
-    log_format: str = "console"
-    log_level: str = "info"
-    quantization: str = "none"  # weight-only: "none" | "int8" | "int4" | "auto" (models/quant.py)
-    activation_quantization: str = "none"  # "int8": the CPU's packed matmuls quantize their inputs
+
+
+class LogConfig(msgspec.Struct, frozen=True):
+    format: LogFormat = LogFormat.CONSOLE
+    level: str = "info"
+
+
+class GrammarConfig(msgspec.Struct, frozen=True):
     tokenizer_json: str = ""  # HF tokenizers JSON for grammar masks; "" = no constrained decoding
     eos_token_id: int | None = None  # the EOS llguidance allows once a grammar is complete
+
+
+class WorkerConfig(msgspec.Struct, frozen=True):
+    """Everything the device worker is started with, one small config per concern."""
+
+    model: ModelConfig
+    device: DeviceConfig
+    kv_cache: KVCacheConfig
+    limits: StepLimits
+    quant: QuantConfig = msgspec.field(default_factory=QuantConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    grammar: GrammarConfig = msgspec.field(default_factory=GrammarConfig)
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):

@@ -57,12 +57,12 @@ def worker_main(conn: object, config: bytes) -> None:
     cfg = msgspec.msgpack.decode(config, type=WorkerConfig)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    restore = capture_stray_output() if cfg.log_format == "json" else None
-    configure_logging(cfg.log_format, cfg.log_level)
+    restore = capture_stray_output() if cfg.log.format == "json" else None
+    configure_logging(cfg.log.format, cfg.log.level)
     try:
         _run(conn, cfg)
     except Exception:
-        log.exception("device worker failed", device=cfg.device)
+        log.exception("device worker failed", device=cfg.device.device)
     finally:
         if restore is not None:
             restore()
@@ -87,8 +87,8 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
                     runner.activation_quantization)))
     from pypto_serving.backends import BACKENDS
 
-    activities = BACKENDS[cfg.backend].profiler_activities
-    _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device}", activities))
+    activities = BACKENDS[cfg.device.backend].profiler_activities
+    _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device.device}", activities))
 
 
 def _build_runner(cfg: WorkerConfig) -> object:

@@ -16,6 +16,8 @@ from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels.sampling import SamplerOutput, sample
 from pypto_serving.loader.hf import count_safetensors, load_safetensors
 from pypto_serving.messages.worker import (
+    ModelConfig,
+    ModelFormat,
     ScheduledSeq,
     StepPlan,
     StepResult,
@@ -48,38 +50,39 @@ def torch_dtype(name: str, auto: torch.dtype | None = None) -> torch.dtype:
     return DTYPES[name]
 
 
-def weight_source(cfg: WorkerConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    if cfg.model_format == "hf":
-        return with_progress(load_safetensors(cfg.model_path), count_safetensors(cfg.model_path),
-                             "loading weights")
-    if cfg.model_format == "gguf":
+def weight_source(model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if model.format == ModelFormat.HF:
+        return with_progress(load_safetensors(model.path), count_safetensors(model.path), "loading weights")
+    if model.format == ModelFormat.GGUF:
         # Imported here: only GGUF checkpoints need the GGUF reader.
         from pypto_serving.loader.gguf_file import load_gguf_tensors
         from pypto_serving.loader.gguf_reader import read_gguf
 
-        total = len(read_gguf(cfg.model_path).tensors)
-        return with_progress(load_gguf_tensors(cfg.model_path, cfg.arch), total, "loading weights")
-    raise ValueError(f"unknown model format {cfg.model_format!r}; expected 'hf' or 'gguf'")
+        total = len(read_gguf(model.path).tensors)
+        return with_progress(load_gguf_tensors(model.path, model.arch), total, "loading weights")
+    raise ValueError(f"unknown model format {model.format!r}; expected 'hf' or 'gguf'")
 
 
 class ModelRunner:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
-        self.dtype = torch_dtype(cfg.dtype)
-        self.backend = make_backend(cfg.backend, cfg.device, self.dtype)
+        self.arch, self.block_size = cfg.model.arch, cfg.kv_cache.block_size
+        self.dtype = torch_dtype(cfg.device.dtype)
+        self.backend = make_backend(cfg.device.backend, cfg.device.device, self.dtype)
         self.device = self.backend.device
         self.backend.before_loading()
-        self.kv_dtype = torch_dtype(cfg.kv_cache_dtype, auto=self.dtype)
-        layers = self.backend.layers(cfg.quantization, cfg.activation_quantization)
+        self.kv_dtype = torch_dtype(cfg.device.kv_cache_dtype, auto=self.dtype)
+        quant = cfg.quant
+        layers = self.backend.layers(quant.weights, quant.activations)
         self.kernels, self.activation_quantization = self.backend.kernels_used(
-            cfg.quantization, cfg.activation_quantization)
-        self.model = build_model(cfg.arch, self.dtype, self.device, cfg.max_model_len, layers)
-        load_weights(self.model, cfg.arch, weight_source(cfg))
+            quant.weights, quant.activations)
+        self.model = build_model(self.arch, self.dtype, self.device, cfg.limits.max_model_len, layers)
+        load_weights(self.model, self.arch, weight_source(cfg.model))
         self.weight_bytes = module_bytes(self.model)
         self.seqs: dict[int, SeqState] = {}
-        self.grammars = Grammars(cfg.tokenizer_json, cfg.arch.vocab_size, cfg.eos_token_id)
-        block_bytes = bytes_per_block(cfg.arch, cfg.block_size, self.kv_dtype)
-        self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.max_num_blocks)
+        self.grammars = Grammars(cfg.grammar.tokenizer_json, self.arch.vocab_size, cfg.grammar.eos_token_id)
+        block_bytes = bytes_per_block(self.arch, self.block_size, self.kv_dtype)
+        self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.kv_cache.max_num_blocks)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         self.kv_caches = self._allocate(self.num_blocks)
         self.stack = self.backend.stack(self.model, self.kv_caches)
@@ -99,14 +102,14 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         states = [apply_scheduled(self.seqs, s, self.device, self.grammars) for s in plan.seqs]
         if not plan.seqs:
-            return StepResult(plan.step_id, [], []), torch.empty(0, self.cfg.arch.vocab_size)
-        batch = prepare(plan.seqs, states, self.cfg.block_size, self.device)
+            return StepResult(plan.step_id, [], []), torch.empty(0, self.arch.vocab_size)
+        batch = prepare(plan.seqs, states, self.block_size, self.device)
         self.backend.after_step(batch.attn.all_decode)
         logits = self._forward(batch, self.kv_caches)
         sampled = [st for s, st in zip(plan.seqs, states, strict=True) if s.sample]
         if not sampled:
             return StepResult(plan.step_id, [], []), logits
-        tensors = sampling_tensors(sampled, self.cfg.arch.vocab_size, self.device, self.grammars)
+        tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars)
         out = sample(logits, tensors, self.backend.argmax)
         result = step_result(plan.step_id, batch.sample_seq_ids, out, sampled)
         advance([st.matcher for st in sampled], result.token_ids)
@@ -121,25 +124,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.sample_rows]).float()
 
     def _allocate(self, num_blocks: int) -> list[KVCache]:
-        arch, bs = self.cfg.arch, self.cfg.block_size
+        arch, bs = self.arch, self.block_size
         return allocate_kv_cache(arch, num_blocks, bs, self.kv_dtype, self.backend.zeros)
 
     def _kv_budget(self) -> int:
-        cfg = self.cfg
+        kv = self.cfg.kv_cache
         # The sampler holds a few [max_num_seqs, vocab] float32 copies of the logits.
-        sampler_bytes = 8 * cfg.max_num_seqs * cfg.arch.vocab_size * 4
-        return self.backend.kv_budget(cfg.kv_cache_bytes, cfg.gpu_memory_utilization, self.weight_bytes,
+        sampler_bytes = 8 * self.cfg.limits.max_num_seqs * self.arch.vocab_size * 4
+        return self.backend.kv_budget(kv.host_bytes, kv.gpu_memory_utilization, self.weight_bytes,
                                       self._largest_step, sampler_bytes)
 
     @torch.inference_mode()
     def _largest_step(self) -> None:
         """One prefill of the whole token budget, on caches of its own (freed on return)."""
-        cfg = self.cfg
-        tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        blocks = -(-tokens // cfg.block_size)
+        limits = self.cfg.limits
+        tokens = min(limits.max_num_batched_tokens, limits.max_model_len)
+        blocks = -(-tokens // self.block_size)
         seq = _dummy_seq(tokens, blocks)
         state = apply_scheduled({}, seq, self.device)
-        self._forward(prepare([seq], [state], cfg.block_size, self.device), self._allocate(blocks))
+        self._forward(prepare([seq], [state], self.block_size, self.device), self._allocate(blocks))
 
 
 def _dummy_seq(tokens: int, blocks: int) -> ScheduledSeq:

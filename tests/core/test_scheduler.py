@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pypto_serving.core.block_allocator import BlockAllocator
+from pypto_serving.core.block_allocator import BlockAllocator, Demand
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.core.sequence import Sequence
 from pypto_serving.messages.worker import StepPlan, StepResult
@@ -250,3 +250,25 @@ def test_random_workload_never_leaks(num_blocks: int):
         h.alloc.check_integrity()
     h.run()
     assert h.alloc.num_available == num_blocks
+
+
+def test_the_idle_scheduler_checks_that_no_block_outlived_its_sequence():
+    """When the last sequence is gone, a block still owned is a leak: it fails loudly (the
+    engine's fault policy then ends the engine) instead of shrinking the cache for good."""
+    h = Harness()
+    h.sched.add(make_sequences(1)[0])
+    h.run()
+    assert h.sched.schedule() is None  # idle, nothing leaked: the check passes
+    h.alloc.allocate([Demand(99, 4, 0, (1, 2, 3, 4), 4)])  # a table no sequence owns
+    with pytest.raises(AssertionError, match="outlived"):
+        h.sched.schedule()
+
+
+def test_a_result_must_answer_the_step_in_flight():
+    h = Harness()
+    h.sched.add(make_sequences(1)[0])
+    plan = h.sched.schedule()
+    with pytest.raises(RuntimeError, match="in flight"):
+        h.sched.schedule()
+    with pytest.raises(RuntimeError, match="in flight"):
+        h.sched.apply(StepResult(plan.step_id + 1, [], []))

@@ -54,7 +54,7 @@ class ScriptedWorker:
                     asyncio.get_running_loop().call_soon(self._on_result, failed)
                     return
                 seq_ids.append(s.seq_id)
-                tokens.append(script[i] if i < len(script) else self.cfg.eos_token_id)
+                tokens.append(script[i] if i < len(script) else self.cfg.grammar.eos_token_id)
         asyncio.get_running_loop().call_soon(self._on_result, StepResult(plan.step_id, seq_ids, tokens))
 
     def kill(self) -> None:

@@ -106,7 +106,7 @@ def test_min_tokens_holds_back_eos(driver) -> None:
 def test_kv_blocks_fill_the_cpu_budget_up_to_the_cap(checkpoint) -> None:
     path, _ = checkpoint("llama")
     cfg = worker_config(path, kv_cache_bytes=10_000, max_num_blocks=1000)
-    block = bytes_per_block(cfg.arch, cfg.block_size, torch.float32)
+    block = bytes_per_block(cfg.model.arch, cfg.kv_cache.block_size, torch.float32)
     runner = ModelRunner(cfg)
     assert runner.num_blocks == 10_000 // block
     assert runner.kv_cache_bytes == runner.num_blocks * block
@@ -167,9 +167,9 @@ def test_accelerator_budget_leaves_room_for_weights_and_activations(checkpoint, 
     fake = FakeAccelerator()
     monkeypatch.setattr(CudaBackend, "memory", property(lambda self: fake))
     runner.backend = CudaBackend("cpu", torch.float32)  # the accelerator's accounting, on the CPU
-    sampler = 8 * cfg.max_num_seqs * cfg.arch.vocab_size * 4
+    sampler = 8 * cfg.limits.max_num_seqs * cfg.model.arch.vocab_size * 4
     activations = 5_000 + sampler
-    util = cfg.gpu_memory_utilization
+    util = cfg.kv_cache.gpu_memory_utilization
     assert runner._kv_budget() == int(util * 10_000_000) - runner.weight_bytes - activations
     assert fake.calls == ["synchronize", "reset", "empty_cache"]
     assert runner.seqs == {}  # the profiling sequence leaves no state behind

@@ -8,7 +8,21 @@ import torch
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels import cpu
 from pypto_serving.loader.gguf_file import arch_from_gguf
-from pypto_serving.messages.worker import ScheduledSeq, StepPlan, WorkerConfig
+from pypto_serving.messages.worker import (
+    ActivationQuantization,
+    BackendName,
+    DeviceConfig,
+    DType,
+    KVCacheConfig,
+    ModelConfig,
+    ModelFormat,
+    QuantConfig,
+    Quantization,
+    ScheduledSeq,
+    StepLimits,
+    StepPlan,
+    WorkerConfig,
+)
 from pypto_serving.worker.model_runner import ModelRunner
 
 PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
@@ -17,11 +31,12 @@ NEW_TOKENS = 12
 
 def make_runner(path: str, quantization: str = "none", activations: str = "none") -> ModelRunner:
     return ModelRunner(WorkerConfig(
-        model_path=path, model_format="gguf", arch=arch_from_gguf(path), dtype="float32",
-        kv_cache_dtype="auto", backend="cpu", device="cpu", block_size=2, max_num_blocks=64,
-        kv_cache_bytes=1 << 26, gpu_memory_utilization=0.9, max_num_seqs=1, max_model_len=64,
-        max_num_batched_tokens=64, quantization=quantization, activation_quantization=activations,
-    ))  # fmt: skip
+        model=ModelConfig(path, ModelFormat.GGUF, arch_from_gguf(path)),
+        device=DeviceConfig(BackendName.CPU, "cpu", DType.FLOAT32),
+        kv_cache=KVCacheConfig(block_size=2, max_num_blocks=64, host_bytes=1 << 26),
+        limits=StepLimits(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=64),
+        quant=QuantConfig(Quantization(quantization), ActivationQuantization(activations)),
+    ))
 
 
 def prefill(runner: ModelRunner, ids: list[int]) -> tuple[list[int], torch.Tensor]:

@@ -10,7 +10,23 @@ import transformers
 
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.loader.hf import arch_from_hf_config, load_hf_config
-from pypto_serving.messages.worker import ScheduledSeq, StepPlan, StepResult, WorkerConfig
+from pypto_serving.messages.worker import (
+    ActivationQuantization,
+    BackendName,
+    DeviceConfig,
+    DType,
+    GrammarConfig,
+    KVCacheConfig,
+    ModelConfig,
+    ModelFormat,
+    QuantConfig,
+    Quantization,
+    ScheduledSeq,
+    StepLimits,
+    StepPlan,
+    StepResult,
+    WorkerConfig,
+)
 from pypto_serving.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4  # small, so every sequence spans many blocks
@@ -49,23 +65,29 @@ def build_hf_model(name: str) -> torch.nn.Module:
 
 
 def worker_config(path: Path, **overrides: object) -> WorkerConfig:
-    fields = dict(
-        model_path=str(path),
-        model_format="hf",
-        arch=arch_from_hf_config(load_hf_config(path)),
-        dtype="float32",
-        kv_cache_dtype="auto",
-        backend="cpu",
-        device="cpu",
-        block_size=BLOCK_SIZE,
-        max_num_blocks=256,
-        kv_cache_bytes=1 << 22,
-        gpu_memory_utilization=0.9,
-        max_num_seqs=8,
-        max_model_len=128,
-        max_num_batched_tokens=64,
+    """A tiny model's worker config; `overrides` by field name (quantization and
+    activation_quantization are `quant.weights` and `quant.activations`, kv_cache_bytes is
+    `kv_cache.host_bytes`)."""
+    arch = arch_from_hf_config(load_hf_config(path))
+    defaults = dict(dtype="float32", kv_cache_dtype="auto", backend="cpu", device="cpu",
+                    block_size=BLOCK_SIZE, max_num_blocks=256, kv_cache_bytes=1 << 22,
+                    gpu_memory_utilization=0.9, max_num_seqs=8,
+                    max_model_len=128, max_num_batched_tokens=64, quantization="none",
+                    activation_quantization="none", tokenizer_json="", eos_token_id=None)
+    if unknown := set(overrides) - set(defaults):
+        raise TypeError(f"worker_config has no field {sorted(unknown)}")
+    kw = defaults | overrides
+    return WorkerConfig(
+        model=ModelConfig(str(path), ModelFormat.HF, arch),
+        device=DeviceConfig(BackendName(kw["backend"]), kw["device"], DType(kw["dtype"]),
+                            DType(kw["kv_cache_dtype"])),
+        kv_cache=KVCacheConfig(kw["block_size"], kw["max_num_blocks"], kw["kv_cache_bytes"],
+                               kw["gpu_memory_utilization"]),
+        limits=StepLimits(kw["max_num_seqs"], kw["max_model_len"], kw["max_num_batched_tokens"]),
+        quant=QuantConfig(Quantization(kw["quantization"]),
+                          ActivationQuantization(kw["activation_quantization"])),
+        grammar=GrammarConfig(kw["tokenizer_json"], kw["eos_token_id"]),
     )
-    return WorkerConfig(**(fields | overrides))
 
 
 class Driver:
