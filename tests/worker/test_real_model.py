@@ -8,35 +8,19 @@ import torch
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels import cpu
 from pypto_serving.loader.gguf_file import arch_from_gguf
-from pypto_serving.messages.worker import (
-    ActivationQuantization,
-    BackendName,
-    DeviceConfig,
-    DType,
-    KVCacheConfig,
-    ModelConfig,
-    ModelFormat,
-    QuantConfig,
-    Quantization,
-    ScheduledSeq,
-    StepLimits,
-    StepPlan,
-    WorkerConfig,
-)
+from pypto_serving.messages.worker import ModelConfig, ModelFormat, ScheduledSeq, StepPlan
 from pypto_serving.worker.model_runner import ModelRunner
+from tests.worker.tiny_models import worker_config
 
 PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 NEW_TOKENS = 12
 
 
 def make_runner(path: str, quantization: str = "none", activations: str = "none") -> ModelRunner:
-    return ModelRunner(WorkerConfig(
-        model=ModelConfig(path, ModelFormat.GGUF, arch_from_gguf(path)),
-        device=DeviceConfig(BackendName.CPU, "cpu", DType.FLOAT32),
-        kv_cache=KVCacheConfig(block_size=2, max_num_blocks=64, host_bytes=1 << 26),
-        limits=StepLimits(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=64),
-        quant=QuantConfig(Quantization(quantization), ActivationQuantization(activations)),
-    ))
+    model = ModelConfig(path, ModelFormat.GGUF, arch_from_gguf(path))
+    return ModelRunner(worker_config(
+        model, block_size=2, max_num_blocks=64, kv_cache_bytes=1 << 26, max_num_seqs=1, max_model_len=64,
+        max_num_batched_tokens=64, quantization=quantization, activation_quantization=activations))
 
 
 def prefill(runner: ModelRunner, ids: list[int]) -> tuple[list[int], torch.Tensor]:

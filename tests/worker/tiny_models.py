@@ -64,11 +64,12 @@ def build_hf_model(name: str) -> torch.nn.Module:
     return getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
 
 
-def worker_config(path: Path, **overrides: object) -> WorkerConfig:
-    """A tiny model's worker config; `overrides` by field name (quantization and
-    activation_quantization are `quant.weights` and `quant.activations`, kv_cache_bytes is
-    `kv_cache.host_bytes`)."""
-    arch = arch_from_hf_config(load_hf_config(path))
+def worker_config(model: Path | ModelConfig, **overrides: object) -> WorkerConfig:
+    """A cpu worker's config for a tiny HF checkpoint directory (or any `ModelConfig`);
+    `overrides` by field name (quantization and activation_quantization are `quant.weights`
+    and `quant.activations`, kv_cache_bytes is `kv_cache.host_bytes`)."""
+    if not isinstance(model, ModelConfig):
+        model = ModelConfig(str(model), ModelFormat.HF, arch_from_hf_config(load_hf_config(model)))
     defaults = dict(dtype="float32", kv_cache_dtype="auto", backend="cpu", device="cpu",
                     block_size=BLOCK_SIZE, max_num_blocks=256, kv_cache_bytes=1 << 22,
                     gpu_memory_utilization=0.9, max_num_seqs=8,
@@ -78,7 +79,7 @@ def worker_config(path: Path, **overrides: object) -> WorkerConfig:
         raise TypeError(f"worker_config has no field {sorted(unknown)}")
     kw = defaults | overrides
     return WorkerConfig(
-        model=ModelConfig(str(path), ModelFormat.HF, arch),
+        model=model,
         device=DeviceConfig(BackendName(kw["backend"]), kw["device"], DType(kw["dtype"]),
                             DType(kw["kv_cache_dtype"])),
         kv_cache=KVCacheConfig(kw["block_size"], kw["max_num_blocks"], kw["kv_cache_bytes"],
