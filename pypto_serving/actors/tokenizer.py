@@ -37,9 +37,8 @@ class TokenizerActor(Actor[TokenizerInbox]):
     async def _encode(self, prompt: str | ChatInput, reply_to: Mailbox) -> None:
         """Bad input is the request's `Rejected`; anything else is a fault, as it would be
         in `receive` (this task is outside the actor's loop, so it says so itself)."""
-        loop = asyncio.get_running_loop()
         try:
-            text, ids = await loop.run_in_executor(self._pool, self.encode_now, prompt)
+            text, ids = await self.encode(prompt)
         except (ChatTemplateError, ValueError, TypeError) as exc:
             reply_to.tell(Rejected(str(exc)))
         except RecursionError:
@@ -49,11 +48,25 @@ class TokenizerActor(Actor[TokenizerInbox]):
         else:
             reply_to.tell(Encoded(tuple(ids), text))
 
-    def encode_now(self, prompt: str | ChatInput) -> tuple[str, list[int]]:
+    async def encode(self, prompt: str | ChatInput,
+                     add_special_tokens: bool | None = None) -> tuple[str, list[int]]:
+        """`encode_now` in the pool; also the edge's way in (/tokenize)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.encode_now, prompt, add_special_tokens)
+
+    async def decode(self, ids: list[int]) -> str:
+        """Token ids -> text (special tokens kept), in the pool (/detokenize)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.decode, ids, False)
+
+    def encode_now(self, prompt: str | ChatInput,
+                   add_special_tokens: bool | None = None) -> tuple[str, list[int]]:
+        """(the text the model reads, its token ids); special tokens by default for a prompt,
+        not for a chat (the template already wrote any BOS it wants)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            special = True if add_special_tokens is None else add_special_tokens
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=special)
         text = self.tokenizer.apply_chat_template(
             list(prompt.messages), add_generation_prompt=prompt.add_generation_prompt,
             tools=list(prompt.tools) if prompt.tools else None, **prompt.template_kwargs)
-        # the template already wrote any BOS it wants
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))

@@ -35,7 +35,8 @@ REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    """The usage event ends every stream, asked for or not."""
+    """The usage event ends a stream unless `include_usage` is false; with
+    `continuous_usage_stats` every chunk carries its choice's usage so far."""
 
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
@@ -118,7 +119,8 @@ class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Text content is a string or null; lists of (multimodal) parts are refused."""
+    """Content is a string, null, or a list of text parts (joined with newlines); other
+    (multimodal) parts are refused."""
 
     role: Role
     content: str | list[dict[str, Any]] | None = None
@@ -180,6 +182,27 @@ class ChatBody(GenerateFields, kw_only=True):
     continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """POST /tokenize (vLLM's shape): a `prompt`, or chat `messages` rendered with the model's
+    chat template first; exactly one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[NonNegative]
 
 
 # Values an unimplemented field may take: the defaults, which ask for nothing we lack.

@@ -12,11 +12,12 @@ from typing import Any
 import msgspec
 
 from pypto_serving.http import responses as r
-from pypto_serving.http.bodies import ChatBody, CompletionBody
+from pypto_serving.http.bodies import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 
 _REF = "#/components/schemas/{name}"
 _TYPES = (CompletionBody, ChatBody, r.CompletionResponse, r.ChatResponse, r.ChatChunk,
-          r.ErrorResponse, r.ModelList, r.Health)
+          r.ErrorResponse, r.ModelList, r.Health, TokenizeBody, r.Tokenized, DetokenizeBody,
+          r.Detokenized, r.Version)
 
 
 def _json(ref: dict[str, Any], description: str) -> dict[str, Any]:
@@ -35,9 +36,18 @@ def _generation(summary: str, body: dict, result: dict, error: dict) -> dict[str
     }}
 
 
+def _post(summary: str, body: dict, result: dict, error: dict) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {"200": _json(result, summary), "400": _json(error, "invalid request")},
+    }}
+
+
 def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
     refs, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
-    completion, chat, completion_out, chat_out, _, error, models, health = refs
+    completion, chat, completion_out, chat_out, _, error, models, health = refs[:8]
+    tokenize, tokenized, detokenize, detokenized, version = refs[8:]
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": "1"},
@@ -49,6 +59,10 @@ def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
             "/health": {"get": {"summary": "Liveness", "responses": {
                 "200": _json(health, "the engine runs"),
                 "503": _json(health, "the engine has stopped")}}},
+            "/tokenize": _post("Token ids of a prompt or of chat messages", tokenize, tokenized, error),
+            "/detokenize": _post("The text of token ids", detokenize, detokenized, error),
+            "/version": {"get": {"summary": "The server's version",
+                                 "responses": {"200": _json(version, "the version")}}},
         },
         "components": {"schemas": components},
     }

@@ -31,6 +31,7 @@ from pypto_serving.http.bodies import (
     GenerateFields,
     Message,
     NamedToolChoice,
+    TokenizeBody,
 )
 from pypto_serving.http.bodies import ToolCall as MessageToolCall
 from pypto_serving.parsers.grammar import response_format_grammar, tool_choice_grammar
@@ -65,6 +66,8 @@ class Parsed:
     request: GenerateRequest
     n: int
     stream: bool
+    final_usage: bool = True  # a stream ends with a usage event (`include_usage: false`: not)
+    running_usage: bool = False  # every chunk carries usage (`continuous_usage_stats`)
 
 
 def decode_body(raw: bytes, body_type: type) -> Any:
@@ -103,14 +106,18 @@ def _or(value: Any, fallback: Any) -> Any:
     return fallback if value is None else value
 
 
-def _check_options(body: GenerateFields, defaults: GenerateDefaults) -> tuple[int, bool]:
-    """(number of choices, whether to stream), refusing what this server cannot honour."""
+def _check_options(body: GenerateFields, defaults: GenerateDefaults) -> dict[str, Any]:
+    """Parsed's n, stream and usage fields, refusing what this server cannot honour."""
     _refuse_unimplemented(body)
     n = _or(body.n, 1)
     if body.best_of not in (None, n):
         raise InvalidRequest(f"'best_of' must equal 'n' ({n}): ranking extra candidates is not "
                              "supported", "best_of")
-    return n, _wants_stream(body, defaults)
+    options = body.stream_options
+    return {"n": n, "stream": _wants_stream(body, defaults),
+            # the usage event ends a stream unless the client says no (OpenAI's SDK may)
+            "final_usage": options is None or options.include_usage is not False,
+            "running_usage": options is not None and bool(options.continuous_usage_stats)}
 
 
 def _refuse_unimplemented(body: GenerateFields) -> None:
@@ -127,9 +134,6 @@ def _wants_stream(body: GenerateFields, defaults: GenerateDefaults) -> bool:
     if options is not None and not stream:
         raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
                              "stream_options")
-    if options is not None and options.continuous_usage_stats:
-        raise InvalidRequest("'stream_options.continuous_usage_stats' is not supported; the "
-                             "usage event ends every stream", "stream_options")
     return stream
 
 
@@ -187,7 +191,7 @@ def _response_format(body: GenerateFields) -> str | None:
 
 
 def parse_completion(body: CompletionBody, defaults: GenerateDefaults) -> Parsed:
-    n, stream = _check_options(body, defaults)
+    options = _check_options(body, defaults)
     prompt = body.prompt
     if isinstance(prompt, list) and not all(type(t) is int for t in prompt):
         raise InvalidRequest("'prompt' must be one string or one list of token ids; "
@@ -196,12 +200,12 @@ def parse_completion(body: CompletionBody, defaults: GenerateDefaults) -> Parsed
     # Text completions run to max_tokens, a stop string or the context end: EOS is ignored.
     request = _generate_request("cmpl", tuple(prompt) if isinstance(prompt, list) else prompt,
                                 body, defaults, max_tokens, body.logprobs, ignore_eos=True)
-    return Parsed(request, n, stream)
+    return Parsed(request, **options)
 
 
 def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers | None = None) -> Parsed:
     parsers = parsers or ModelParsers()
-    n, stream = _check_options(body, defaults)
+    options = _check_options(body, defaults)
     tools = _tools(body, parsers)
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -216,7 +220,19 @@ def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers
         tool_parser=parsers.tool_parser if tools else None,
         tool_names=frozenset(t["function"]["name"] for t in tools),
         parallel_tool_calls=_or(body.parallel_tool_calls, True))
-    return Parsed(dataclasses.replace(request, reply=reply), n, stream)
+    return Parsed(dataclasses.replace(request, reply=reply), **options)
+
+
+def parse_tokenize(body: TokenizeBody) -> tuple[str | ChatInput, bool | None]:
+    """What /tokenize encodes, and whether with special tokens (None: the prompt kind's default)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequest("give exactly one of 'prompt' and 'messages'", "prompt")
+    if body.prompt is not None:
+        return body.prompt, body.add_special_tokens
+    tools = tuple(msgspec.to_builtins(t) for t in body.tools or ()) or None
+    chat = ChatInput(_messages(body.messages), tools, dict(body.chat_template_kwargs or {}),
+                     body.add_generation_prompt)
+    return chat, body.add_special_tokens
 
 
 def _chat_max_tokens(body: ChatBody, defaults: GenerateDefaults) -> int | None:
@@ -281,20 +297,36 @@ def _messages(messages: list[Message]) -> tuple[dict, ...]:
     """The history as the chat template reads it; tool results must answer earlier calls."""
     out, call_ids = [], set()
     for i, m in enumerate(messages):
-        if isinstance(m.content, list):
-            raise InvalidRequest(f"messages[{i}].content is a list of parts: multimodal message "
-                                 "parts are not supported; send the text as a string", "messages")
         if m.role == "tool" and m.tool_call_id not in call_ids:
             raise InvalidRequest(f"messages[{i}] is a tool result whose tool_call_id "
                                  f"{m.tool_call_id!r} matches no earlier assistant tool call",
                                  "messages")
         message = msgspec.to_builtins(m)
+        if isinstance(m.content, list):
+            message["content"] = _text_of_parts(i, m.content)
         message.setdefault("content", None if m.tool_calls else "")
         if m.tool_calls:
             message["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
             call_ids.update(c.id for c in m.tool_calls if c.id is not None)
         out.append(message)
     return tuple(out)
+
+
+def _text_of_parts(i: int, parts: list[dict[str, Any]]) -> str:
+    """A list of content parts as one text, joined with newlines as vLLM does for a text-only
+    model; any other kind of part is refused by name."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type")
+        if kind != "text":
+            raise InvalidRequest(f"messages[{i}].content[{j}] is a {kind!r} part: multimodal parts "
+                                 "are not supported by this text-only model; send text parts",
+                                 "messages")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"messages[{i}].content[{j}] is a text part without a 'text' "
+                                 "string", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _history_call(i: int, j: int, call: MessageToolCall) -> dict[str, Any]:

@@ -68,15 +68,34 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> r.C
 
 
 class Renderer:
-    """Builds the bodies of one response. `logprobs`: None when the request asked for none."""
+    """Builds the bodies of one response. `logprobs`: None when the request asked for none;
+    `running_usage`: every streamed chunk carries its choice's usage so far
+    (`stream_options.continuous_usage_stats`, as vLLM)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, logprobs: int | None = None):
+    def __init__(self, request_id: str, model: str, chat: bool, logprobs: int | None = None,
+                 running_usage: bool = False):
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.logprobs = logprobs
+        self.running_usage = running_usage
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # streamed completions: text_offset per choice
+        self._prompt_tokens = 0
+        self._generated: dict[int, int] = {}  # streamed: tokens generated so far per choice
+
+    def started(self, prompt_tokens: int) -> None:
+        self._prompt_tokens = prompt_tokens
+
+    def generated(self, index: int, tokens: int) -> None:
+        """`tokens` more tokens of choice `index` came (whether or not their text is out)."""
+        self._generated[index] = self._generated.get(index, 0) + tokens
+
+    def _running(self, index: int) -> r.Usage | None:
+        if not self.running_usage:
+            return None
+        done = self._generated.get(index, 0)
+        return r.Usage(self._prompt_tokens, done, self._prompt_tokens + done)
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model}
@@ -112,7 +131,8 @@ class Renderer:
     def role_chunk(self, index: int) -> r.ChatChunk:
         """The first chunk of each chat choice: it carries the role, once."""
         choice = r.ChatChunkChoice(index, r.Delta("assistant", ""), None, None)
-        return r.ChatChunk(object="chat.completion.chunk", choices=[choice], **self._head())
+        return r.ChatChunk(object="chat.completion.chunk", choices=[choice], usage=self._running(index),
+                           **self._head())
 
     def chunk(self, index: int, text: str = "", reasoning: str = "",
               logprobs: Sequence[TokenLogprob] = (), finish_reason: str | None = None,
@@ -123,12 +143,14 @@ class Renderer:
                             tool_calls=_tool_call_chunks(tool_calls) or None)
             lp = self._chat_logprobs(logprobs) if logprobs else None
             choice = r.ChatChunkChoice(index, delta, lp, reason)
-            return r.ChatChunk(object="chat.completion.chunk", choices=[choice], **self._head())
+            return r.ChatChunk(object="chat.completion.chunk", choices=[choice], usage=self._running(index),
+                               **self._head())
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + sum(len(e.chosen.text) for e in logprobs)
         lp = self._completion_logprobs(logprobs, offset) if logprobs else None
         choice = r.CompletionChoice(index, text, lp, reason)
-        return r.CompletionResponse(object="text_completion", choices=[choice], **self._head())
+        return r.CompletionResponse(object="text_completion", choices=[choice], usage=self._running(index),
+                                    **self._head())
 
     def usage_chunk(self, dones: Sequence[Finished]) -> r.ChatChunk | r.CompletionResponse:
         if self.chat:

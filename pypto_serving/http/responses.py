@@ -18,11 +18,13 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
+    """`prompt_tokens_details` is known once the request ends (not in a stream's running usage)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -165,16 +167,52 @@ class ErrorResponse(msgspec.Struct):
     code: int
 
 
+class ModelPermission(msgspec.Struct):
+    """vLLM's permission entry (clients that read `/v1/models` as vLLM serves it expect one)."""
+
+    id: str
+    object: Literal["model_permission"]
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(msgspec.Struct):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str  # the model it serves: the --model path
+    parent: str | None
+    max_model_len: int
+    permission: list[ModelPermission]
 
 
 class ModelList(msgspec.Struct):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class Tokenized(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class Detokenized(msgspec.Struct):
+    prompt: str
+
+
+class Version(msgspec.Struct):
+    version: str
 
 
 class Health(msgspec.Struct, omit_defaults=True):

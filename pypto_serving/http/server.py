@@ -6,6 +6,7 @@ render the engine's events.
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 
 import msgspec
@@ -16,9 +17,11 @@ from pypto_serving.actors.engine import Engine
 from pypto_serving.core.generate_config import GenerateDefaults
 from pypto_serving.core.request import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
 from pypto_serving.http import bodies, protocol
+from pypto_serving.http import responses as r
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
 from pypto_serving.http.openapi import openapi_json
 from pypto_serving.http.render import Choice, Renderer, error_body, stream_error
+from pypto_serving.tokenizer.chat_template import ChatTemplateError
 
 log = structlog.get_logger()
 
@@ -48,6 +51,9 @@ class Handlers:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
             web.get("/openapi.json", self.openapi),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
         ]
 
     async def health(self, request: web.Request) -> web.Response:
@@ -57,12 +63,42 @@ class Handlers:
         return json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.served_name, "object": "model", "created": self.created,
-                "owned_by": "pypto-serving", "max_model_len": self.engine.config.limits.max_model_len}
-        return json_response({"object": "list", "data": [card]})
+        permission = r.ModelPermission(f"modelperm-{self.served_name}", "model_permission", self.created)
+        card = r.ModelCard(self.served_name, "model", self.created, "pypto-serving",
+                           self.engine.config.worker.model.path, None,
+                           self.engine.config.limits.max_model_len, [permission])
+        return json_response(r.ModelList("list", [card]))
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=openapi_json(), content_type="application/json")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        try:
+            body = protocol.decode_body(await request.read(), bodies.TokenizeBody)
+            prompt, special = protocol.parse_tokenize(body)
+            _, ids = await self.engine.tokenizer_actor.encode(prompt, special)
+        except InvalidRequest as exc:
+            return json_response(error_body(exc.message, exc.param), 400)
+        except (ChatTemplateError, ValueError, TypeError, RecursionError) as exc:
+            return json_response(error_body(f"cannot tokenize: {exc}", "messages"), 400)
+        strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return json_response(r.Tokenized(len(ids), self.engine.config.limits.max_model_len, ids, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = protocol.decode_body(await request.read(), bodies.DetokenizeBody)
+            vocab = self.engine.tokenizer.vocab_size
+            bad = [t for t in body.tokens if t >= vocab]
+            if bad:
+                raise InvalidRequest(f"'tokens' has token id {bad[0]}, outside this model's vocabulary: "
+                                     f"token ids must be in 0..{vocab - 1}", "tokens")
+        except InvalidRequest as exc:
+            return json_response(error_body(exc.message, exc.param), 400)
+        return json_response(r.Detokenized(await self.engine.tokenizer_actor.decode(body.tokens)))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response(r.Version(importlib.metadata.version("pypto-serving")))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, bodies.CompletionBody, chat=False)
@@ -80,16 +116,18 @@ class Handlers:
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
         gen = parsed.request
-        renderer = Renderer(gen.request_id, body.model or self.served_name, chat, gen.sampling.logprobs)
+        renderer = Renderer(gen.request_id, body.model or self.served_name, chat, gen.sampling.logprobs,
+                            running_usage=parsed.running_usage)
         choices = ChoiceStreams(self.engine, choice_requests(gen, parsed.n))
-        return await self._respond(request, choices, renderer, parsed.stream)
+        return await self._respond(request, choices, renderer, parsed)
 
     async def _respond(self, request: web.Request, choices: ChoiceStreams, renderer: Renderer,
-                       stream: bool) -> web.StreamResponse:
+                       parsed: protocol.Parsed) -> web.StreamResponse:
         try:
-            await choices.start()  # the engine logs each request's received/finished lines
-            if stream:
-                return await self._stream(request, choices, renderer)
+            starts = await choices.start()  # the engine logs each request's received/finished lines
+            renderer.started(starts[0].prompt_tokens)
+            if parsed.stream:
+                return await self._stream(request, choices, renderer, parsed.final_usage)
             return await self._collect(choices, renderer)
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
@@ -112,8 +150,8 @@ class Handlers:
                                             kind="engine_error", code=500), 500)
         return json_response(renderer.full(results))
 
-    async def _stream(self, request: web.Request, choices: ChoiceStreams,
-                      renderer: Renderer) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, choices: ChoiceStreams, renderer: Renderer,
+                      final_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -124,6 +162,8 @@ class Handlers:
         held: list[list] = [[] for _ in range(n)]  # logprobs of tokens whose text is held back
         dones: list[Finished] = []
         async for index, event in choices.events():
+            if isinstance(event, TextDelta):
+                renderer.generated(index, len(event.token_ids))
             match event:
                 case TextDelta() if event.text or event.reasoning or event.tool_calls:
                     logprobs, held[index] = held[index] + list(event.logprobs), []
@@ -143,7 +183,8 @@ class Handlers:
                         await response.write(_sse(stream_error(event.error or "engine error",
                                                                "engine_error", 500)))
         else:
-            await response.write(_sse(renderer.usage_chunk(dones)))
+            if final_usage:
+                await response.write(_sse(renderer.usage_chunk(dones)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

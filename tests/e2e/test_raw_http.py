@@ -79,8 +79,10 @@ def test_prompt_longer_than_max_model_len(http: httpx.Client):
 
 
 def test_multimodal_parts_rejected(http: httpx.Client):
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
-    assert_error(http.post("/v1/chat/completions", json=body), "multimodal")
+    """Text parts are text (issue 17); an image part is refused by name."""
+    parts = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:"}}]
+    body = {"messages": [{"role": "user", "content": parts}]}
+    assert_error(http.post("/v1/chat/completions", json=body), "multimodal", "image_url")
 
 
 def test_empty_prompt_starts_from_bos(http: httpx.Client):

@@ -11,7 +11,8 @@ from pypto_serving.http.openapi import openapi_document, openapi_json
 def test_document_describes_every_endpoint_and_schema():
     doc = openapi_document()
     assert doc["openapi"].startswith("3.1")
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                 "/tokenize", "/detokenize", "/version"}
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     assert chat["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatBody"}

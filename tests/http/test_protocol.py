@@ -129,9 +129,12 @@ def test_n_best_of_and_stream_options():
     assert completion(n=3, best_of=3).n == 3
     rejected(completion, "best_of", n=2, best_of=4)
     rejected(completion, "stream_options", "stream", stream=False, stream_options={"include_usage": True})
-    assert completion(stream=True, stream_options={"include_usage": False}).stream
-    rejected(completion, "continuous_usage_stats", stream=True,
-             stream_options={"continuous_usage_stats": True})
+    parsed = completion(stream=True, stream_options={"include_usage": False})
+    assert parsed.stream and not parsed.final_usage and not parsed.running_usage
+    assert completion(stream=True).final_usage  # the usage event is the default
+    assert completion(stream=True, stream_options={"include_usage": None}).final_usage
+    running = chat(stream=True, stream_options={"continuous_usage_stats": True})
+    assert running.final_usage and running.running_usage
 
 
 @pytest.mark.parametrize("field, value", [
@@ -185,8 +188,17 @@ def test_messages_keep_their_fields():
 
 
 def test_multimodal_parts_are_refused():
-    parts = [{"type": "image_url", "image_url": {"url": "data:"}}]
-    rejected(chat, "multimodal", messages=[{"role": "user", "content": parts}])
+    parts = [{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": "data:"}}]
+    error = rejected(chat, "multimodal", "'image_url'", "content[1]",
+                     messages=[{"role": "user", "content": parts}])
+    assert error.param == "messages"
+    rejected(chat, "without a 'text'", messages=[{"role": "user", "content": [{"type": "text"}]}])
+
+
+def test_text_parts_are_joined_as_vllm_joins_them():
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    messages = chat(messages=[{"role": "user", "content": parts}]).request.prompt.messages
+    assert messages == ({"role": "user", "content": "Hello\nworld"},)
 
 
 def test_prompt_batches_are_refused():

@@ -1,0 +1,96 @@
+"""What clients written for vLLM send and read, on the real server (SmolLM2): chat content
+as text parts, stream usage on request (`include_usage`, `continuous_usage_stats`),
+`/v1/models` as vLLM fills it, `/tokenize`, `/detokenize` and `/version`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.api import SHORT_ANSWER, openai_client
+from tests.e2e.server import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> httpx.Client:
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def sse(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    r = http.post(path, json={**body, "stream": True})
+    assert r.status_code == 200
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_text_parts_are_the_same_prompt_as_a_string(http: httpx.Client):
+    parts = [{"type": "text", "text": "What is 1+1?"}, {"type": "text", "text": "Answer briefly."}]
+    as_parts = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": parts}], "max_tokens": 8, "temperature": 0}).json()
+    as_text = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "What is 1+1?\nAnswer briefly."}], "max_tokens": 8,
+        "temperature": 0}).json()
+    assert as_parts["choices"][0]["message"] == as_text["choices"][0]["message"]
+    assert as_parts["usage"]["prompt_tokens"] == as_text["usage"]["prompt_tokens"]
+    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": image}]})
+    assert r.status_code == 400 and "image_url" in r.json()["message"]
+
+
+def test_include_usage_false_leaves_out_the_usage_event(http: httpx.Client):
+    body = {"prompt": "1, 2, 3,", "max_tokens": 4}
+    assert "usage" in sse(http, "/v1/completions", body)[-1]  # the default: usage last
+    chunks = sse(http, "/v1/completions", {**body, "stream_options": {"include_usage": False}})
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+
+
+def test_continuous_usage_stats_counts_every_chunk(http: httpx.Client):
+    chunks = sse(http, "/v1/chat/completions", {
+        "messages": SHORT_ANSWER, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    running = [c["usage"] for c in chunks[:-1]]
+    assert running and all(u["prompt_tokens"] == final["usage"]["prompt_tokens"] for u in running)
+    counts = [u["completion_tokens"] for u in running]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in running)
+
+
+def test_the_openai_sdk_honours_include_usage_false(server: ServerProcess):
+    client: openai.OpenAI = openai_client(server)
+    chunks = list(client.completions.create(model="m", prompt="Hi", max_tokens=2, stream=True,
+                                            stream_options={"include_usage": False}))
+    assert chunks and all(c.usage is None and c.choices for c in chunks)
+
+
+def test_models_carry_vllms_fields(http: httpx.Client):
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["root"].endswith(".gguf") and card["parent"] is None
+    assert card["max_model_len"] == 512
+    assert card["permission"][0]["object"] == "model_permission"
+
+
+def test_tokenize_and_detokenize_round_trip(http: httpx.Client):
+    r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 512
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
+    bad = http.post("/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["param"] == "tokens"
+    assert http.post("/tokenize", json={"prompt": "x", "messages": SHORT_ANSWER}).status_code == 400
+
+
+def test_tokenize_messages_counts_what_a_chat_request_reads(http: httpx.Client):
+    counted = http.post("/tokenize", json={"messages": SHORT_ANSWER}).json()["count"]
+    used = http.post("/v1/chat/completions", json={"messages": SHORT_ANSWER, "max_tokens": 1}).json()
+    assert counted == used["usage"]["prompt_tokens"]
+
+
+def test_version(http: httpx.Client):
+    assert http.get("/version").json() == {"version": importlib.metadata.version("pypto-serving")}
