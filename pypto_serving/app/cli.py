@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
-from typing import NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from pypto_serving.app.packaged_models import DEFAULT_MODEL
 from pypto_serving.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
@@ -60,22 +62,105 @@ def _seconds(value: str) -> float:
     return number
 
 
+_NO_HUB = ("no model hub is reachable from this server: give --model a local checkpoint directory or "
+           ".gguf file")
+# vLLM serve flags that cannot apply here, with why: a vLLM launch script fails on them with
+# that reason (exit 2), not with "unrecognized arguments".
+REFUSED_VLLM_FLAGS: dict[str, str] = {
+    "--revision": _NO_HUB,
+    "--tokenizer-revision": _NO_HUB,
+    "--code-revision": _NO_HUB,
+    "--download-dir": _NO_HUB,
+    "--hf-token": _NO_HUB,
+    "--pipeline-parallel-size": "pipeline parallelism is not supported (devices form tensor-parallel groups)",
+    "--enable-lora": "LoRA adapters are not supported",
+    "--lora-modules": "LoRA adapters are not supported",
+    "--speculative-config": "speculative decoding is not supported",
+    "--cpu-offload-gb": "weights stay on their device: there is no CPU offload",
+    "--swap-space": "preempted sequences are recomputed, not swapped: there is no swap space",
+    "--api-key": "access control is not implemented yet: put the server behind a proxy that checks keys",
+}
+UVICORN_LEVELS = {"critical": "error", "error": "error", "warning": "warning", "info": "info",
+                  "debug": "debug", "trace": "debug"}
+
+
+class _Refused(argparse.Action):
+    """A vLLM flag that cannot apply here: the parse fails with the reason."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
+        raise argparse.ArgumentError(self, REFUSED_VLLM_FLAGS[self.option_strings[0]])
+
+
+def _uvicorn_level(value: str) -> str:
+    if value.lower() not in UVICORN_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(UVICORN_LEVELS)}, got {value!r}")
+    return UVICORN_LEVELS[value.lower()]
+
+
+def _vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's common serve flags, with the same meaning where they have one here."""
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, or the template itself, instead of the model's")
+    p.add_argument("--tokenizer", default=None,
+                   help="the tokenizer of another HF checkpoint directory or .gguf file (default: "
+                        "the model's)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice auto; here auto works wherever a tool-call "
+                        "parser is set (refused with --tool-call-parser none)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seeds the random seeds of requests that bring none, so a run is repeatable "
+                        "(a request's own seed still wins)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted and ignored: no code is ever loaded from a checkpoint")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted: this server logs no periodic stats (they are on /metrics)")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="accepted: prompts and outputs are never logged, so there is nothing to cut")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="accepted: every step runs eagerly (there are no CUDA graphs yet)")
+    p.add_argument("--uvicorn-log-level", type=_uvicorn_level, dest="log_level", default=argparse.SUPPRESS,
+                   help="vLLM's name for the log level: critical, error, warning, info, debug, trace")
+    for flag in REFUSED_VLLM_FLAGS:
+        p.add_argument(flag, action=_Refused, nargs="?", help=f"refused: {REFUSED_VLLM_FLAGS[flag]}")
+
+
+def _offline_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", action="append", default=None,
+                   help="offline mode: generate for this prompt (repeatable) and exit")
+    p.add_argument("--max-tokens", type=_positive_int, default=None,
+                   help="offline mode: tokens per prompt (default: from --generate-config)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="offline mode: sampling temperature (default: from --generate-config)")
+    p.add_argument("--chat", action="store_true",
+                   help="offline mode: each prompt is a user message, rendered with the chat template")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pypto-serving", description="OpenAI-compatible LLM inference server.")
+    p.add_argument("--version", action="version",
+                   version=f"pypto-serving {importlib.metadata.version('pypto-serving')}")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF checkpoint directory, .gguf file or packaged model name (smollm2, "
                         "qwen2.5-coder-0.5b)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's id in /v1/models, responses and metric labels (default: the "
+                        "model's name)")
     p.add_argument("--backend", choices=("portable", "cpu", "cuda", "npu"), default=None,
                    help="portable: the torch reference kernels on the CPU; cpu: packed weights and C "
                         "kernels (AVX2/FMA/F16C); cuda; npu (default: the accelerator found, else cpu)")
-    p.add_argument("--platform", default="a2a3")
-    p.add_argument("--device", type=_device_list, default=None, dest="device")
-    p.add_argument("--devices", type=_device_list, default=None)
-    p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1)
-    p.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1)
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--kv-cache-dtype", choices=DTYPES, default="auto")
+    p.add_argument("--platform", default="a2a3", help="accelerator platform label, printed at startup")
+    p.add_argument("--device", type=_device_list, default=None, dest="device",
+                   help="device id(s) to serve on, e.g. 0 (default 0)")
+    p.add_argument("--devices", type=_device_list, default=None, help="comma list of device ids")
+    p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1,
+                   help="devices per replica (only 1 for now)")
+    p.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1,
+                   help="replicas (only 1 for now)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="compute dtype; auto: float32 on the CPU, bfloat16 on accelerators")
+    p.add_argument("--kv-cache-dtype", choices=DTYPES, default="auto",
+                   help="KV cache dtype; auto: the compute dtype (float16 with packed CPU weights)")
     p.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
                    help="weight-only packing of linears and embeddings; auto: on the cpu backend "
                         "with --dtype auto, int4 where lossless (Q4 GGUF) else int8; none: exact")
@@ -83,13 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8: packed matmuls on the cpu quantize their inputs per row and group of "
                         "32 (as llama.cpp does; ~2x faster prefill and batched decode, slightly "
                         "inexact); auto: int8 wherever weights are packed on the cpu; none: float32")
-    p.add_argument("--max-model-len", type=_positive_int, default=1024)
-    p.add_argument("--block-size", type=_positive_int, default=None)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=4096)
-    p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=2048)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-model-len", type=_positive_int, default=1024,
+                   help="prompt plus generated tokens per request (default 1024)")
+    p.add_argument("--block-size", type=_positive_int, default=None,
+                   help="KV page size in tokens (default 16, 128 on npu)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="running requests (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=4096,
+                   help="tokens per engine step (default 4096)")
+    p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=2048,
+                   help="prefill chunk size per request (default 2048)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (default on)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over steps (default on)")
     p.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="KV cache budget on the CPU, e.g. 1GiB (default 1GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -102,12 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None,
                    help="parse tool calls from replies (default: from the model family, hermes "
                         "for Qwen2/Qwen3; none: tool requests get a 400)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prompt", action="append", default=None,
-                   help="offline mode: generate for this prompt (repeatable) and exit")
-    p.add_argument("--log-format", choices=("console", "json"), default="console")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    _offline_flags(p)
+    p.add_argument("--log-format", choices=("console", "json"), default="console",
+                   help="console lines for a person, or one JSON object per line")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="the least severe log level written (default info)")
     p.add_argument("--profile", action="store_true",
                    help="enable POST /start_profile and POST /stop_profile")
     p.add_argument("--profile-output", default=None,
@@ -117,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they "
                         "are aborted (default 30)")
+    _vllm_flags(p)
     return p
 
 

@@ -6,16 +6,17 @@ import argparse
 import asyncio
 import sys
 import time
+from pathlib import Path
 
 import structlog
 from aiohttp import web
 
 from pypto_serving.actors.device_client import WorkerStartError
 from pypto_serving.actors.engine import Engine
-from pypto_serving.app.model_source import ModelSourceError, resolve_model
+from pypto_serving.app.model_source import ModelSource, ModelSourceError, resolve_model
 from pypto_serving.app.settings import FlagError, ServerSettings, build_settings, check_flags
 from pypto_serving.app.shutdown import ShutdownSignals, graceful_shutdown
-from pypto_serving.core.request import Finished, GenerateRequest, TextDelta
+from pypto_serving.core.request import ChatInput, Finished, GenerateRequest, TextDelta
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.http.ops import Ops
 from pypto_serving.http.server import Handlers, build_app
@@ -34,8 +35,7 @@ def launch(args: argparse.Namespace) -> int:
     try:
         source = resolve_model(args.model)
         settings = build_settings(args, source)
-        tokenizer = (Tokenizer.from_gguf(source.path) if source.format == "gguf"
-                     else Tokenizer.from_hf_dir(source.path))
+        tokenizer = load_tokenizer(args, source)
     except (ModelSourceError, UnsupportedModel, ValueError) as exc:
         if isinstance(exc, FlagError):
             raise
@@ -47,6 +47,32 @@ def launch(args: argparse.Namespace) -> int:
         return _fail(args, f"the device worker could not start: {exc}", 1)
     except KeyboardInterrupt:  # Ctrl-C in offline mode (serve mode handles its signals)
         return 130
+
+
+def load_tokenizer(args: argparse.Namespace, source: ModelSource) -> Tokenizer:
+    """The model's tokenizer, or `--tokenizer`'s; `--chat-template` replaces its template."""
+    path, kind = source.path, source.format
+    if args.tokenizer is not None:
+        path = Path(args.tokenizer)
+        if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+            raise FlagError(f"--tokenizer {args.tokenizer}: not an HF checkpoint directory or .gguf file")
+        kind = "gguf" if path.is_file() else "hf"
+    tokenizer = Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_hf_dir(path)
+    if args.chat_template is not None:
+        tokenizer.use_chat_template(chat_template_text(args.chat_template))
+    if args.trust_remote_code:
+        log.info("--trust-remote-code is accepted and ignored: no code is loaded from checkpoints")
+    return tokenizer
+
+
+def chat_template_text(value: str) -> str:
+    """A template file's text, or the value itself when it is a template (it has Jinja tags)."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{%" in value or "{{" in value:
+        return value
+    raise FlagError(f"--chat-template {value}: neither a file nor a Jinja template")
 
 
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:
@@ -142,9 +168,11 @@ async def offline(settings: ServerSettings, tokenizer: Tokenizer, args: argparse
     await _start_engine(engine)
     profiler = _profiler(settings, engine)
     defaults = settings.defaults
-    sampling = SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p,
+    temperature = defaults.temperature if args.temperature is None else args.temperature
+    sampling = SamplingParams(temperature=temperature, top_p=defaults.top_p,
                               top_k=defaults.top_k or 0, seed=defaults.seed)
-    requests = [GenerateRequest(f"offline-{i}", prompt, defaults.max_new_tokens, sampling,
+    max_tokens = defaults.max_new_tokens if args.max_tokens is None else args.max_tokens
+    requests = [GenerateRequest(f"offline-{i}", _offline_prompt(prompt, args.chat), max_tokens, sampling,
                                 tuple(defaults.stop), ignore_eos=defaults.ignore_eos)
                 for i, prompt in enumerate(args.prompt)]
     if profiler is not None:  # offline, the profile covers the whole batch
@@ -162,6 +190,11 @@ async def offline(settings: ServerSettings, tokenizer: Tokenizer, args: argparse
               f"    finish_reason: {done.finish_reason}")
     print(f"generated {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
     return 0
+
+
+def _offline_prompt(text: str, chat: bool) -> str | ChatInput:
+    """`--chat`: the prompt as a user message, rendered with the chat template."""
+    return ChatInput(({"role": "user", "content": text},), None, {}, True) if chat else text
 
 
 async def _run_one(engine: Engine, request: GenerateRequest) -> tuple[str, list[int], Finished]:

@@ -152,6 +152,9 @@ def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], Generat
         raise FlagError("--gpu-memory-utilization must be in (0, 1]")
     if not 0 < args.port < 65536:
         raise FlagError(f"--port must be in 1..65535, got {args.port}")
+    if args.enable_auto_tool_choice and args.tool_call_parser == "none":
+        raise FlagError("--enable-auto-tool-choice needs a tool-call parser: drop "
+                        "--tool-call-parser none (the model family picks one)")
     try:
         defaults = parse_generate_config(args.generate_config)
     except GenerateConfigError as exc:
@@ -190,6 +193,7 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
         quant=QuantConfig(Quantization(quantization), ActivationQuantization(
             _activation_quantization(args, backend, dtype, quantization))),
         log=LogConfig(LogFormat(args.log_format), args.log_level),
+        seed=args.seed,
     )
 
 

@@ -105,6 +105,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     quant: QuantConfig = msgspec.field(default_factory=QuantConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     grammar: GrammarConfig = msgspec.field(default_factory=GrammarConfig)
+    seed: int | None = None  # `--seed`: where unseeded requests' seeds come from (None: at random)
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):

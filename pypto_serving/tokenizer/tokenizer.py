@@ -129,6 +129,10 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_templates.get("default")
 
+    def use_chat_template(self, template: str) -> None:
+        """`--chat-template`: this template for every chat, instead of the model's own."""
+        self._chat_templates = {"default": template}
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -80,6 +80,7 @@ class ModelRunner:
         load_weights(self.model, self.arch, weight_source(cfg.model))
         self.weight_bytes = module_bytes(self.model)
         self.seqs: dict[int, SeqState] = {}
+        self._seeds = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)
         self.grammars = Grammars(cfg.grammar.tokenizer_json, self.arch.vocab_size, cfg.grammar.eos_token_id)
         block_bytes = bytes_per_block(self.arch, self.block_size, self.kv_dtype)
         self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.kv_cache.max_num_blocks)
@@ -100,7 +101,7 @@ class ModelRunner:
         """The step's result and the logits it sampled from ([sampled seqs, vocab], float32)."""
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
-        states = [apply_scheduled(self.seqs, s, self.device, self.grammars) for s in plan.seqs]
+        states = [apply_scheduled(self.seqs, s, self.device, self.grammars, self._seeds) for s in plan.seqs]
         if not plan.seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.arch.vocab_size)
         batch = prepare(plan.seqs, states, self.block_size, self.device)

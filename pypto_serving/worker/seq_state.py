@@ -41,27 +41,33 @@ class SeqState:
         self.token_ids.extend(token_ids)
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """One generator per sequence, seeded once; unseeded requests get a random seed."""
+def make_generator(params: SamplingParams, device: torch.device,
+                   seeds: torch.Generator | None = None) -> torch.Generator | None:
+    """One generator per sequence, seeded once; an unseeded request gets the next seed of
+    `seeds` (`--seed`: a repeatable run), or a random one."""
     if params.greedy:
         return None
     gen = torch.Generator(device=device)
-    if params.seed is None:
-        gen.seed()
-    else:
+    if params.seed is not None:
         gen.manual_seed(params.seed)
+    elif seeds is not None:
+        gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=seeds)))
+    else:
+        gen.seed()
     return gen
 
 
 def apply_scheduled(
-    states: dict[int, SeqState], s: ScheduledSeq, device: torch.device, grammars: Grammars | None = None
+    states: dict[int, SeqState], s: ScheduledSeq, device: torch.device, grammars: Grammars | None = None,
+    seeds: torch.Generator | None = None,
 ) -> SeqState:
     """Update (or, with `reset`, start) a sequence's state from its share of a step.
 
-    A sequence with a grammar needs `grammars` (to build its matcher).
+    A sequence with a grammar needs `grammars` (to build its matcher); `seeds`: see
+    `make_generator`.
     """
     if s.reset:
-        states[s.seq_id] = _restart(states.get(s.seq_id), s, device, grammars)
+        states[s.seq_id] = _restart(states.get(s.seq_id), s, device, grammars, seeds)
     else:
         states[s.seq_id].block_table.extend(s.new_block_ids)
     state = states[s.seq_id]
@@ -70,7 +76,8 @@ def apply_scheduled(
 
 
 def _restart(
-    old: SeqState | None, s: ScheduledSeq, device: torch.device, grammars: Grammars | None
+    old: SeqState | None, s: ScheduledSeq, device: torch.device, grammars: Grammars | None,
+    seeds: torch.Generator | None,
 ) -> SeqState:
     if s.sampling is None:
         raise ValueError(f"seq {s.seq_id}: reset without sampling params")
@@ -85,7 +92,7 @@ def _restart(
         token_ids=list(s.prefix_ids),
         num_prompt_tokens=s.num_prompt_tokens,
         sampling=s.sampling,
-        generator=gen or make_generator(s.sampling, device),
+        generator=gen or make_generator(s.sampling, device, seeds),
         matcher=matcher if matcher is not None else make_matcher(s.sampling, grammars),
     )
 

@@ -63,6 +63,17 @@ def test_offline_prompts_are_batched_and_printed():
     assert "[1] prompt: '1, 2, 3,'" in out.stdout
 
 
+def test_offline_chat_with_vllm_style_shorthands():
+    """--chat renders each prompt with the chat template; --max-tokens and --temperature
+    stand in for the generate config."""
+    out = run_cli("--prompt", "What is 1+1?", "--chat", "--max-tokens", "3", "--temperature", "0",
+                  "--kv-cache-memory", "64MiB")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "finish_reason: length" in out.stdout
+    ids = out.stdout.split("token_ids: [")[1].split("]")[0].split(",")
+    assert len(ids) == 3
+
+
 def test_packaged_qwen_coder_by_short_name():
     out = run_cli("--model", "qwen2.5-coder-0.5b", "--prompt", "def add(a, b):\n",
                   "--generate-config", '{"max_new_tokens": 8}', "--kv-cache-memory", "64MiB",

@@ -74,7 +74,7 @@ def worker_config(model: Path | ModelConfig, **overrides: object) -> WorkerConfi
                     block_size=BLOCK_SIZE, max_num_blocks=256, kv_cache_bytes=1 << 22,
                     gpu_memory_utilization=0.9, max_num_seqs=8,
                     max_model_len=128, max_num_batched_tokens=64, quantization="none",
-                    activation_quantization="none", tokenizer_json="", eos_token_id=None)
+                    activation_quantization="none", tokenizer_json="", eos_token_id=None, seed=None)
     if unknown := set(overrides) - set(defaults):
         raise TypeError(f"worker_config has no field {sorted(unknown)}")
     kw = defaults | overrides
@@ -88,6 +88,7 @@ def worker_config(model: Path | ModelConfig, **overrides: object) -> WorkerConfi
         quant=QuantConfig(Quantization(kw["quantization"]),
                           ActivationQuantization(kw["activation_quantization"])),
         grammar=GrammarConfig(kw["tokenizer_json"], kw["eos_token_id"]),
+        seed=kw["seed"],
     )
 
 
