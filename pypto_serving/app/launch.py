@@ -32,6 +32,7 @@ log = structlog.get_logger()
 def launch(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     check_flags(args)  # fail on bad flags before touching the model
+    log.info("starting", model=args.model, backend=args.backend or "auto")
     try:
         source = resolve_model(args.model)
         settings = build_settings(args, source)

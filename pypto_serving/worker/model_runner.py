@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import structlog
 import torch
 
 from pypto_serving.backends import make_backend
@@ -38,6 +39,7 @@ from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
 
+log = structlog.get_logger()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,6 +87,8 @@ class ModelRunner:
         block_bytes = bytes_per_block(self.arch, self.block_size, self.kv_dtype)
         self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.kv_cache.max_num_blocks)
         self.kv_cache_bytes = self.num_blocks * block_bytes
+        log.info("allocating the KV cache", blocks=self.num_blocks, mib=self.kv_cache_bytes >> 20,
+                 dtype=str(self.kv_dtype).removeprefix("torch."))
         self.kv_caches = self._allocate(self.num_blocks)
         self.stack = self.backend.stack(self.model, self.kv_caches)
         self.backend.after_loading()

@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import structlog
@@ -74,11 +75,14 @@ def _build(compiler: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    log.info("compiling the C kernels (once per version)", compiler=compiler, cache=str(target.parent))
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         command = [compiler, *FLAGS, *map(str, SOURCES), "-lm", "-o", str(out)]
         subprocess.run(command, check=True, capture_output=True)
         os.replace(out, target)
+    log.info("C kernels compiled", seconds=round(time.monotonic() - start, 2))
     return target
 
 
