@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory of trace.json and fragments/ (default ./profile_out)")
     p.add_argument("--profile-level", type=_profile_levels, default=None,
                    help="comma list of e2e, kernel, verbose (default e2e,kernel)")
+    p.add_argument("--responses-store-size", type=int, default=1000,
+                   help="responses kept in memory for previous_response_id (default 1000; 0: none)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they "
                         "are aborted (default 30)")

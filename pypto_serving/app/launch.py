@@ -144,7 +144,8 @@ async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.N
     if signals.requested:  # asked to stop while the model was loading
         await engine.shutdown()
         return 0
-    handlers = Handlers(engine, settings.served_name, settings.defaults, settings.parsers)
+    handlers = Handlers(engine, settings.served_name, settings.defaults, settings.parsers,
+                        settings.responses_store_size)
     ops = Ops(engine, _profiler(settings, engine))
     app = build_app(handlers)
     ops.install(app)

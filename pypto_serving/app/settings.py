@@ -57,6 +57,7 @@ class ServerSettings:
     profile: ProfileConfig | None = None
     shutdown_timeout: float = 30.0
     parsers: ModelParsers = ModelParsers()
+    responses_store_size: int = 1000  # /v1/responses kept for previous_response_id
 
 
 def _torch_has_cuda() -> bool:
@@ -175,7 +176,8 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
                           RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len))
     return ServerSettings(engine, defaults, args.served_model_name or source.default_name, backend,
                           args.platform, devices, args.host, args.port, _profile(args),
-                          args.shutdown_timeout, _parsers(args, source.arch.family))
+                          args.shutdown_timeout, _parsers(args, source.arch.family),
+                          args.responses_store_size)
 
 
 def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices: tuple[int, ...],

@@ -13,11 +13,12 @@ import msgspec
 
 from pypto_serving.http import responses as r
 from pypto_serving.http.bodies import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from pypto_serving.http.responses_api import Response, ResponsesBody
 
 _REF = "#/components/schemas/{name}"
 _TYPES = (CompletionBody, ChatBody, r.CompletionResponse, r.ChatResponse, r.ChatChunk,
           r.ErrorResponse, r.ModelList, r.Health, TokenizeBody, r.Tokenized, DetokenizeBody,
-          r.Detokenized, r.Version)
+          r.Detokenized, r.Version, ResponsesBody, Response)
 
 
 def _json(ref: dict[str, Any], description: str) -> dict[str, Any]:
@@ -47,13 +48,14 @@ def _post(summary: str, body: dict, result: dict, error: dict) -> dict[str, Any]
 def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
     refs, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     completion, chat, completion_out, chat_out, _, error, models, health = refs[:8]
-    tokenize, tokenized, detokenize, detokenized, version = refs[8:]
+    tokenize, tokenized, detokenize, detokenized, version, responses, response = refs[8:]
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": "1"},
         "paths": {
             "/v1/completions": _generation("Text completion", completion, completion_out, error),
             "/v1/chat/completions": _generation("Chat completion", chat, chat_out, error),
+            "/v1/responses": _generation("Response (OpenAI Responses API)", responses, response, error),
             "/v1/models": {"get": {"summary": "The served model",
                                    "responses": {"200": _json(models, "one model")}}},
             "/health": {"get": {"summary": "Liveness", "responses": {

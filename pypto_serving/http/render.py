@@ -12,10 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
 from pypto_serving.core.request import Candidate, Finished, TextDelta, TokenLogprob
 from pypto_serving.http import responses as r
 from pypto_serving.parsers.tool_calls import ToolCall, ToolCallDelta
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    """`body`: plain JSON values or response Structs."""
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
 def http_finish_reason(reason: str) -> str:

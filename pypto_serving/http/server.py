@@ -20,15 +20,11 @@ from pypto_serving.http import bodies, protocol
 from pypto_serving.http import responses as r
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
 from pypto_serving.http.openapi import openapi_json
-from pypto_serving.http.render import Choice, Renderer, error_body, stream_error
+from pypto_serving.http.render import Choice, Renderer, error_body, json_response, stream_error
+from pypto_serving.http.responses_api import ResponsesEndpoint
 from pypto_serving.tokenizer.chat_template import ChatTemplateError
 
 log = structlog.get_logger()
-
-
-def json_response(body: object, status: int = 200) -> web.Response:
-    """`body`: plain JSON values or response Structs."""
-    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
 def _sse(body: object) -> bytes:
@@ -37,12 +33,13 @@ def _sse(body: object) -> bytes:
 
 class Handlers:
     def __init__(self, engine: Engine, served_name: str, defaults: GenerateDefaults,
-                 parsers: protocol.ModelParsers | None = None):
+                 parsers: protocol.ModelParsers | None = None, responses_store_size: int = 1000):
         self.engine = engine
         self.served_name = served_name
         self.defaults = defaults
         self.parsers = parsers or protocol.ModelParsers()
         self.created = int(time.time())
+        self.responses = ResponsesEndpoint(engine, served_name, defaults, self.parsers, responses_store_size)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -50,6 +47,7 @@ class Handlers:
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/responses", self.responses.handle),
             web.get("/openapi.json", self.openapi),
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),

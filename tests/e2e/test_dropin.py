@@ -94,3 +94,18 @@ def test_tokenize_messages_counts_what_a_chat_request_reads(http: httpx.Client):
 
 def test_version(http: httpx.Client):
     assert http.get("/version").json() == {"version": importlib.metadata.version("pypto-serving")}
+
+
+def test_the_openai_sdk_speaks_the_responses_api(server: ServerProcess):
+    client: openai.OpenAI = openai_client(server)
+    first = client.responses.create(model="m", input="What is 1+1?", instructions="Answer briefly.",
+                                    max_output_tokens=8, temperature=0)
+    assert first.output_text and first.usage.output_tokens <= 8
+    assert first.status in ("completed", "incomplete")
+    with client.responses.stream(model="m", input="Say hi.", max_output_tokens=6, temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text and deltas
+    later = client.responses.create(model="m", input="And 2+2?", previous_response_id=first.id,
+                                    max_output_tokens=4, temperature=0)
+    assert later.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens

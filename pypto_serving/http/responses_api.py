@@ -1,0 +1,447 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat pipeline.
+
+A request becomes a chat request: `instructions` a system message, the stored conversation
+of `previous_response_id` (kept in memory, the newest `--responses-store-size`), then the
+`input` items (messages, function calls and their outputs). The reply becomes `output`
+items: a `reasoning` item (when the model thinks), a `message` with `output_text`, and one
+`function_call` per call. `stream: true` sends the Responses event types
+(`response.created`, `response.output_text.delta`, `response.completed`, ...).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
+from aiohttp import web
+
+from pypto_serving.actors.engine import Engine
+from pypto_serving.core.generate_config import GenerateDefaults
+from pypto_serving.core.request import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
+from pypto_serving.http import bodies, protocol
+from pypto_serving.http.choices import ChoiceStreams
+from pypto_serving.http.render import error_body, json_response
+
+# -- the request -----------------------------------------------------------------------
+
+
+class FunctionTool(msgspec.Struct, kw_only=True):
+    """A Responses function tool: flat, where chat nests it under `function`."""
+
+    type: Literal["function"]
+    name: bodies.ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesBody(msgspec.Struct, kw_only=True):
+    """POST /v1/responses."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: bodies.Positive | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+
+
+# -- the response ----------------------------------------------------------------------
+
+
+class OutputText(msgspec.Struct):
+    text: str
+    type: Literal["output_text"] = "output_text"
+    annotations: list[Any] = []
+
+
+class ReasoningText(msgspec.Struct):
+    text: str
+    type: Literal["reasoning_text"] = "reasoning_text"
+
+
+class MessageItem(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    content: list[OutputText]
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+
+
+class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = []
+
+
+class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["completed"] = "completed"
+
+
+OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+
+
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponsesUsage(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens_details: OutputTokensDetails = msgspec.field(default_factory=OutputTokensDetails)
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(msgspec.Struct):
+    id: str
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    output: list[OutputItem]
+    tools: list[FunctionTool]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    usage: ResponsesUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    object: Literal["response"] = "response"
+
+
+# -- from Responses input to chat messages -----------------------------------------------
+
+
+def _part_text(i: int, part: Any) -> str:
+    if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text") \
+            and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise InvalidRequest(f"input[{i}] has a {kind!r} content part: only text parts are supported "
+                         "by this text-only model", "input")
+
+
+def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    role, content = item.get("role"), item.get("content")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise InvalidRequest(f"input[{i}] has role {role!r}: expected user, system, developer or "
+                             "assistant", "input")
+    if isinstance(content, list):
+        content = "\n".join(_part_text(i, p) for p in content)
+    if not isinstance(content, str):
+        raise InvalidRequest(f"input[{i}].content must be a string or a list of text parts", "input")
+    return {"role": role, "content": content}
+
+
+def _function_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+        raise InvalidRequest(f"input[{i}] is a function_call without string call_id, name and "
+                             "arguments", "input")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _call_output(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    output = item.get("output")
+    if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+        raise InvalidRequest(f"input[{i}] is a function_call_output without string call_id and "
+                             "output", "input")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a Responses `input`; consecutive function calls are one turn."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append(_message(i, item))
+        elif kind == "function_call":
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant" or "tool_calls" not in last:
+                last = {"role": "assistant", "content": None, "tool_calls": []}
+                out.append(last)
+            last["tool_calls"].append(_function_call(i, item))
+        elif kind == "function_call_output":
+            out.append(_call_output(i, item))
+        else:
+            raise InvalidRequest(f"input[{i}] is a {kind!r} item: expected message, function_call "
+                                 "or function_call_output", "input")
+    return out
+
+
+def chat_body(body: ResponsesBody, history: list[dict[str, Any]]) -> bodies.ChatBody:
+    """The chat request that answers `body` after the stored `history`."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else [])
+    messages += history + input_messages(body.input)
+    fields: dict[str, Any] = {
+        "messages": messages, "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "tools": [{"type": "function", "function": msgspec.to_builtins(t) | {"type": None}}
+                  for t in body.tools] if body.tools else None,
+        "tool_choice": ({"type": "function", "function": {"name": body.tool_choice.name}}
+                        if isinstance(body.tool_choice, NamedFunction) else body.tool_choice),
+    }
+    for tool in fields["tools"] or ():
+        del tool["function"]["type"]
+    try:  # fields left unset take the server's defaults, as an omitted chat field does
+        return msgspec.convert({k: v for k, v in fields.items() if v is not None}, bodies.ChatBody)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request: {exc}", "input") from None
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+class ResponseStore:
+    """The conversations of the newest `size` stored responses, for `previous_response_id`."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+
+    def history(self, response_id: str | None) -> list[dict[str, Any]]:
+        if response_id is None:
+            return []
+        if response_id not in self._items:
+            raise InvalidRequest(f"previous response {response_id!r} is not stored here (the newest "
+                                 f"{self.size} are)", "previous_response_id")
+        return list(self._items[response_id])
+
+    def put(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
+        if self.size <= 0:
+            return
+        self._items[response_id] = conversation
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+
+# -- building the response -----------------------------------------------------------------
+
+
+class ResponseBuilder:
+    """One response: its items as the events come, and the conversation to store."""
+
+    def __init__(self, body: ResponsesBody, model: str):
+        self.body = body
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.model = model
+        self.created_at = int(time.time())
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.done: Finished | None = None
+
+    def add(self, event: TextDelta | Finished) -> None:
+        if isinstance(event, TextDelta):
+            self.text.append(event.text)
+            self.reasoning.append(event.reasoning)
+        else:
+            self.done = event
+
+    def items(self) -> list[OutputItem]:
+        out: list[OutputItem] = []
+        if "".join(self.reasoning):
+            out.append(ReasoningItem(f"rs_{self.id[5:]}", [ReasoningText("".join(self.reasoning))]))
+        calls = self.done.tool_calls if self.done is not None else ()
+        if "".join(self.text) or not calls:
+            status = "incomplete" if self._incomplete() else "completed"
+            out.append(MessageItem(self.message_id, [OutputText("".join(self.text))], status))
+        out += [FunctionCallItem(f"fc_{c.id.removeprefix('call_')}", c.id, c.name, c.arguments)
+                for c in calls]
+        return out
+
+    def _incomplete(self) -> bool:
+        return self.done is not None and self.done.finish_reason == "length"
+
+    def response(self, status: str | None = None) -> Response:
+        done, body = self.done, self.body
+        usage = None
+        if done is not None:
+            usage = ResponsesUsage(done.prompt_tokens, done.completion_tokens,
+                                   done.prompt_tokens + done.completion_tokens,
+                                   InputTokensDetails(done.cached_tokens))
+        status = status or ("incomplete" if self._incomplete() else "completed")
+        return Response(
+            self.id, self.created_at, self.model, status, self.items() if done else [],
+            list(body.tools or []), body.tool_choice or "auto", body.parallel_tool_calls is not False,
+            body.instructions, body.max_output_tokens, body.previous_response_id, body.temperature,
+            body.top_p, usage, IncompleteDetails("max_output_tokens") if self._incomplete() else None)
+
+    def conversation(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What a later request continuing this one reads before its own input."""
+        turn: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        calls = self.done.tool_calls if self.done is not None else ()
+        if calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return history + input_messages(self.body.input) + [turn]
+
+
+# -- streaming -------------------------------------------------------------------------------
+
+Send = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+class EventWriter:
+    """The Responses stream's events, numbered in order. Items stream in the order of the
+    final `output`: reasoning (index 0, when the model thinks first), the message, then calls."""
+
+    def __init__(self, send: Send, builder: ResponseBuilder):
+        self.send, self.builder = send, builder
+        self.sequence = 0
+        self.reasoning_id = f"rs_{builder.id[5:]}"
+        self.streamed: set[str] = set()  # item ids whose item.added went out
+
+    async def event(self, kind: str, **fields: Any) -> None:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        await self.send(kind, payload)
+
+    async def start(self) -> None:
+        response = msgspec.to_builtins(self.builder.response("in_progress"))
+        await self.event("response.created", response=response)
+        await self.event("response.in_progress", response=response)
+
+    async def delta(self, event: TextDelta) -> None:
+        if event.reasoning:
+            await self._open(self.reasoning_id, 0, ReasoningItem(self.reasoning_id, []), ReasoningText(""))
+            await self.event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+                             content_index=0, delta=event.reasoning)
+        if event.text:
+            item_id, index = self.builder.message_id, int(self.reasoning_id in self.streamed)
+            await self._open(item_id, index, MessageItem(item_id, [], "in_progress"), OutputText(""))
+            await self.event("response.output_text.delta", item_id=item_id, output_index=index,
+                             content_index=0, delta=event.text)
+
+    async def _open(self, item_id: str, index: int, item: OutputItem, part: Any) -> None:
+        if item_id in self.streamed:
+            return
+        self.streamed.add(item_id)
+        await self.event("response.output_item.added", output_index=index, item=msgspec.to_builtins(item))
+        await self.event("response.content_part.added", item_id=item_id, output_index=index,
+                         content_index=0, part=msgspec.to_builtins(part))
+
+    async def finish(self) -> None:
+        response = self.builder.response()
+        for index, item in enumerate(response.output):
+            data = msgspec.to_builtins(item)
+            if item.id not in self.streamed:
+                await self.event("response.output_item.added", output_index=index, item=data)
+            elif isinstance(item, (MessageItem, ReasoningItem)):
+                kind = "output_text" if isinstance(item, MessageItem) else "reasoning_text"
+                await self.event(f"response.{kind}.done", item_id=item.id, output_index=index,
+                                 content_index=0, text=item.content[0].text)
+                await self.event("response.content_part.done", item_id=item.id, output_index=index,
+                                 content_index=0, part=data["content"][0])
+            if isinstance(item, FunctionCallItem):
+                await self.event("response.function_call_arguments.done", item_id=item.id,
+                                 output_index=index, arguments=item.arguments)
+            await self.event("response.output_item.done", output_index=index, item=data)
+        # response.completed even when cut off (its status says so): the SDKs wait for it
+        await self.event("response.completed", response=msgspec.to_builtins(response))
+
+
+# -- the endpoint ------------------------------------------------------------------------------
+
+
+class ResponsesEndpoint:
+    """POST /v1/responses over the engine, with its store of conversations."""
+
+    def __init__(self, engine: Engine, served_name: str, defaults: GenerateDefaults,
+                 parsers: protocol.ModelParsers, store_size: int):
+        self.engine, self.served_name = engine, served_name
+        self.defaults, self.parsers = defaults, parsers
+        self.store = ResponseStore(store_size)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = protocol.decode_body(await request.read(), ResponsesBody)
+            history = self.store.history(body.previous_response_id)
+            parsed = protocol.parse_chat(chat_body(body, history), self.defaults, self.parsers)
+        except InvalidRequest as exc:
+            return json_response(error_body(exc.message, exc.param), 400)
+        builder = ResponseBuilder(body, body.model or self.served_name)
+        choices = ChoiceStreams(self.engine, [parsed.request])
+        try:
+            await choices.start()
+            if body.stream:
+                return await self._stream(request, choices, builder, history)
+            async for _, event in choices.events():
+                builder.add(event)
+        except InvalidRequest as exc:
+            return json_response(error_body(exc.message, exc.param), 400)
+        finally:
+            await choices.close()
+        return self._answer(builder, history)
+
+    def _answer(self, builder: ResponseBuilder, history: list[dict[str, Any]]) -> web.Response:
+        done = builder.done
+        if done.error_type == INVALID_MODEL_OUTPUT:
+            return json_response(error_body(done.error, kind=INVALID_MODEL_OUTPUT), 400)
+        if done.finish_reason == "error":
+            return json_response(error_body(done.error or "engine error", kind="engine_error", code=500), 500)
+        self._keep(builder, history)
+        return json_response(builder.response())
+
+    def _keep(self, builder: ResponseBuilder, history: list[dict[str, Any]]) -> None:
+        if builder.body.store:
+            self.store.put(builder.id, builder.conversation(history))
+
+    async def _stream(self, request: web.Request, choices: ChoiceStreams, builder: ResponseBuilder,
+                      history: list[dict[str, Any]]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(kind: str, payload: dict[str, Any]) -> None:
+            await response.write(f"event: {kind}\ndata: ".encode() + msgspec.json.encode(payload) + b"\n\n")
+
+        events = EventWriter(send, builder)
+        await events.start()
+        async for _, event in choices.events():
+            builder.add(event)
+            if isinstance(event, TextDelta):
+                await events.delta(event)
+        done = builder.done
+        if done.finish_reason == "error" or done.error_type == INVALID_MODEL_OUTPUT:
+            kind = INVALID_MODEL_OUTPUT if done.error_type == INVALID_MODEL_OUTPUT else "engine_error"
+            await send("error", {"type": "error", "sequence_number": events.sequence,
+                                 "message": done.error or "engine error", "code": kind})
+        else:
+            await events.finish()
+            self._keep(builder, history)
+        await response.write_eof()
+        return response

@@ -1,0 +1,83 @@
+"""/v1/responses with a model that thinks and calls tools (scripted, as in
+test_scripted_replies.py): reasoning, message and function_call items, whole and streamed,
+and a conversation continued with previous_response_id and a function_call_output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pypto_serving.app.packaged_models import qwen_coder_path
+from tests.replies.scripted import ScriptedServer
+from tests.replies.test_scripted_replies import CALL, THOUGHT
+
+TOOL = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture
+def qwen() -> ScriptedServer:
+    return ScriptedServer(str(qwen_coder_path()), "--reasoning-parser", "qwen3")
+
+
+async def respond(client, **body: object) -> dict:
+    r = await client.post("/v1/responses", json=body)
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+async def events(client, **body: object) -> list[dict]:
+    r = await client.post("/v1/responses", json={**body, "stream": True})
+    assert r.status == 200
+    lines = (await r.text()).splitlines()
+    kinds = [line[len("event: "):] for line in lines if line.startswith("event: ")]
+    data = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    assert kinds == [d["type"] for d in data]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    return data
+
+
+async def test_a_call_is_a_function_call_item_after_the_reasoning(qwen: ScriptedServer):
+    qwen.say(THOUGHT + CALL)
+    async with qwen as client:
+        body = await respond(client, input="What is the weather in Paris?", tools=[TOOL])
+    reasoning, call = body["output"]
+    assert reasoning["type"] == "reasoning" and "weather" in reasoning["content"][0]["text"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "C"}
+    assert call["call_id"].startswith("call_") and body["status"] == "completed"
+
+
+async def test_the_stream_carries_the_same_items(qwen: ScriptedServer):
+    qwen.say(THOUGHT + "It is sunny.")
+    async with qwen as client:
+        data = await events(client, input="Weather?")
+    kinds = [d["type"] for d in data]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    final = data[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    text = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+    thought = "".join(d["delta"] for d in data if d["type"] == "response.reasoning_text.delta")
+    assert text == final["output"][1]["content"][0]["text"] == "It is sunny."
+    assert thought == final["output"][0]["content"][0]["text"]
+    for d in data:  # every item event names the index the item has in the final output
+        if "item_id" in d:
+            assert final["output"][d["output_index"]]["id"] == d["item_id"]
+
+
+async def test_a_function_output_continues_the_stored_conversation(qwen: ScriptedServer):
+    qwen.say(CALL)
+    async with qwen as client:
+        first = await respond(client, input="What is the weather in Paris?", tools=[TOOL])
+        call = first["output"][0]
+        qwen.say("It is 21 degrees in Paris.")
+        second = await respond(client, previous_response_id=first["id"], tools=[TOOL], input=[
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "21 C"}])
+        missing = await client.post("/v1/responses", json={"input": "Hi", "previous_response_id": "resp_x"})
+        missing_body = await missing.json()
+    assert second["output"][0]["content"][0]["text"] == "It is 21 degrees in Paris."
+    # the second prompt holds the first exchange: question, call and its output
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    assert missing.status == 400 and missing_body["param"] == "previous_response_id"
