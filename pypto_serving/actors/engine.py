@@ -93,10 +93,19 @@ class Engine:
         self.scheduler = SchedulerActor(policy, self.worker, self.metrics, self.recorder,
                                         on_death=self._die, on_fault=self._fault)
         self.metrics.bind(policy, self.allocator)
+        self.metrics.cache_info = self._cache_info()
         self.tokenizer_actor = TokenizerActor(self.tokenizer, on_fault=self._fault)
         for actor in self._actors:
             actor.start()
         return self.ready
+
+    def _cache_info(self) -> dict[str, str]:
+        """vLLM's cache_config_info labels that have a meaning here, as strings like vLLM's."""
+        worker, cache = self.config.worker, self.config.cache
+        return {"block_size": str(cache.block_size), "cache_dtype": str(worker.device.kv_cache_dtype),
+                "enable_prefix_caching": str(cache.enable_prefix_caching),
+                "gpu_memory_utilization": str(worker.kv_cache.gpu_memory_utilization),
+                "num_gpu_blocks": str(self.ready.num_blocks), "num_cpu_blocks": "None"}
 
     @property
     def _actors(self) -> tuple:
@@ -144,7 +153,7 @@ class Engine:
         seq_id = next(self._seq_ids)
         stream = RequestStream(request, seq_id, self.tokenizer, self.tokenizer_actor,
                                self.scheduler, self.config.limits, self.grammars)
-        observer = RequestObserver(request.request_id, self.metrics, self.recorder)
+        observer = RequestObserver(request.request_id, self.metrics, self.recorder, request.max_tokens)
         return self._observed(stream, observer)
 
     async def _observed(self, stream: RequestStream, observer: RequestObserver) -> AsyncIterator[Event]:

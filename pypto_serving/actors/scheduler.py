@@ -26,6 +26,7 @@ from pypto_serving.messages.request import Tokens
 from pypto_serving.messages.scheduler import Abort, AbortAll, SchedulerInbox, Submit, WorkerDied
 from pypto_serving.messages.worker import StepPlan, StepResult
 from pypto_serving.telemetry.metrics import EngineMetrics
+from pypto_serving.telemetry.observe import SequencePhases
 from pypto_serving.telemetry.profiling import SpanRecorder, clock_us
 
 
@@ -49,6 +50,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self._undelivered: list[TokenEvent] = []  # the last step's tokens, until the next is sent
         self._queued: dict[int, tuple[float, int | None]] = {}  # seq_id -> (submitted us, lane)
         self._sent_at = 0.0  # when the step in flight was sent (us)
+        self._phases = SequencePhases(self.metrics)
         self.dead_reason: str | None = None
         self.closed_reason: str | None = None
 
@@ -106,6 +108,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
             self.recorder.complete("schedule", "engine", start, self._sent_at,
                                    step_id=plan.step_id, seqs=len(plan.seqs))
             self._dequeue(s.seq_id for s in plan.seqs if s.reset)
+            self.metrics.observe("iteration_tokens", sum(len(s.token_ids) for s in plan.seqs))
             self.worker.send(plan)
         self._deliver_tokens()
 
@@ -126,15 +129,18 @@ class SchedulerActor(Actor[SchedulerInbox]):
             submitted, lane = self._queued.pop(seq_id, (None, None))
             if submitted is not None and scheduled:
                 self.metrics.observe("queue_time", (now - submitted) / 1e6)
+                self._phases.scheduled(seq_id, now / 1e6)
             if lane is not None:
                 self.recorder.complete("queue", "request", submitted, now, tid=lane, seq_id=seq_id)
                 self.recorder.release_lane(lane)
 
     def _deliver_tokens(self) -> None:
         events, self._undelivered = self._undelivered, []
+        now = clock_us() / 1e6
         for event in events:
             seq_id = event.seq.seq_id
             ended = event.finish_reason is not None
+            self._observe(event, now)
             reply_to = self._reply_to.pop(seq_id, None) if ended else self._reply_to.get(seq_id)
             if reply_to is not None:
                 reply_to.tell(Tokens(
@@ -142,10 +148,20 @@ class SchedulerActor(Actor[SchedulerInbox]):
                     logprobs=(event.logprob,), top_logprobs=(event.top_logprobs,),
                     num_cached_tokens=event.seq.num_cached_tokens or 0))
 
+    def _observe(self, event: TokenEvent, now: float) -> None:
+        self._phases.token(event.seq.seq_id, now)
+        if event.finish_reason is not None:
+            self._ended(event.seq, now)
+
+    def _ended(self, seq: Sequence, now: float) -> None:
+        computed = seq.num_prompt_tokens - (seq.num_cached_tokens or 0)
+        self._phases.ended(seq.seq_id, now, seq.num_preemptions, computed)
+
     def _finish(self, seq: Sequence, error: str | None = None) -> None:
         """A sequence that ended outside a step result (abort, shutdown, death)."""
         self._deliver_tokens()  # its earlier tokens first
         self._dequeue([seq.seq_id], scheduled=False)
+        self._ended(seq, clock_us() / 1e6)  # a sequence never scheduled has no phases
         reply_to = self._reply_to.pop(seq.seq_id, None)
         if reply_to is not None:
             reply_to.tell(Tokens(seq.seq_id, (), seq.finish_reason,

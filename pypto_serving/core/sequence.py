@@ -32,6 +32,7 @@ class Sequence:
     num_sent_blocks: int = 0  # block-table prefix the device worker already has
     needs_reset: bool = True  # the worker must (re)start this sequence on its next chunk
     num_cached_tokens: int | None = None  # prefix-cache hit on first admission
+    num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
 
@@ -68,6 +69,7 @@ class Sequence:
     def preempt(self) -> None:
         """Back to waiting; its KV is dropped and recomputed on re-admission."""
         self.status = SeqStatus.WAITING
+        self.num_preemptions += 1
         self.num_computed = 0
         self.num_sent_blocks = 0
         self.needs_reset = True

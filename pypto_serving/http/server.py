@@ -114,6 +114,7 @@ class Handlers:
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
         gen = parsed.request
+        self.engine.metrics.observe("request_params_n", parsed.n)
         renderer = Renderer(gen.request_id, body.model or self.served_name, chat, gen.sampling.logprobs,
                             running_usage=parsed.running_usage)
         choices = ChoiceStreams(self.engine, choice_requests(gen, parsed.n))

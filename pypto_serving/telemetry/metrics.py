@@ -34,6 +34,13 @@ _PER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0
               10.0, 20.0, 40.0, 80.0)
 _REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+_PARAMS_N = (1.0, 2.0, 5.0, 10.0, 20.0)
+_PREEMPTIONS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+# finished_reason under vLLM's names: its values (tool calls end with "stop" there)
+VLLM_FINISH = {"stop": "stop", "length": "length", "tool_calls": "stop", "aborted": "abort",
+               "error": "error"}
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # JSON key -> (Prometheus name without prefix, help text)
 GAUGES = {
@@ -48,6 +55,7 @@ COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
     "preemptions": ("num_preemptions_total", "Sequences preempted for lack of KV blocks."),
+    "prompt_tokens_cached": ("prompt_tokens_cached_total", "Prompt tokens served from the prefix cache."),
 }
 HISTOGRAMS = {
     "ttft": ("time_to_first_token_seconds", "Arrival to first generated token."),
@@ -57,6 +65,17 @@ HISTOGRAMS = {
     "queue_time": ("request_queue_time_seconds", "Submission to first scheduled step."),
     "request_prompt_tokens": ("request_prompt_tokens", "Prompt tokens per request."),
     "request_generation_tokens": ("request_generation_tokens", "Generated tokens per request."),
+    "iteration_tokens": ("iteration_tokens_total", "Tokens per engine step."),
+    "request_max_num_generation_tokens": ("request_max_num_generation_tokens",
+                                          "Tokens a request may generate (max_tokens, capped)."),
+    "request_params_n": ("request_params_n", "The n request parameter."),
+    "request_params_max_tokens": ("request_params_max_tokens", "max_tokens a request runs with, when set."),
+    "request_inference_time": ("request_inference_time_seconds", "First scheduled step to finish."),
+    "request_prefill_time": ("request_prefill_time_seconds", "First scheduled step to first token."),
+    "request_decode_time": ("request_decode_time_seconds", "First token to finish."),
+    "request_num_preemptions": ("request_num_preemptions", "Times a request was preempted."),
+    "request_prefill_kv_computed_tokens": ("request_prefill_kv_computed_tokens",
+                                           "Prompt tokens computed (not from the prefix cache) per request."),
 }
 
 
@@ -114,7 +133,12 @@ class EngineMetrics:
         tokens = token_buckets(max_model_len)
         bounds = {"ttft": _LATENCY, "itl": _PER_TOKEN, "tpot": _PER_TOKEN, "e2e": _REQUEST,
                   "queue_time": _REQUEST, "request_prompt_tokens": tokens,
-                  "request_generation_tokens": tokens}
+                  "request_generation_tokens": tokens, "iteration_tokens": _ITERATION,
+                  "request_max_num_generation_tokens": tokens, "request_params_n": _PARAMS_N,
+                  "request_params_max_tokens": tokens, "request_inference_time": _REQUEST,
+                  "request_prefill_time": _REQUEST, "request_decode_time": _REQUEST,
+                  "request_num_preemptions": _PREEMPTIONS, "request_prefill_kv_computed_tokens": tokens}
+        self.cache_info: dict[str, str] = {}  # the KV cache's settings (cache_config_info)
         self.histograms = {key: Histogram(bounds[key]) for key in HISTOGRAMS}
         self._scheduler: Scheduler | None = None
         self._allocator: BlockAllocator | None = None
@@ -155,7 +179,8 @@ class EngineMetrics:
                 "generation_tokens": self.generation_tokens,
                 "prefix_cache_queries": alloc.prefix_queries if alloc else 0,
                 "prefix_cache_hits": alloc.prefix_hits if alloc else 0,
-                "preemptions": sched.num_preemptions if sched else 0}
+                "preemptions": sched.num_preemptions if sched else 0,
+                "prompt_tokens_cached": alloc.prefix_hits if alloc else 0}
 
     def families(self) -> list[Metric]:
         """Every metric family, read now (cheap; on the event loop, between two messages)."""
@@ -217,12 +242,47 @@ class _Collector:
             yield self._finish_reasons(prefix, values)
             for key, (name, doc) in HISTOGRAMS.items():
                 yield self._histogram(prefix + name, doc, values, m.histograms[key])
+            yield from self._by_label(prefix, values, gauges, counters)
+            yield self._cache_info(prefix)
 
     def _finish_reasons(self, prefix: str, values: list[str]) -> CounterMetricFamily:
         family = CounterMetricFamily(prefix + "request_success_total", "Finished requests by reason.",
                                      labels=(*LABELS, "finished_reason"))
-        for reason, count in self.metrics.finish_reasons.items():
+        counts = self.metrics.finish_reasons
+        if prefix == "vllm:":  # vLLM's reason values, every one of them
+            counts = dict.fromkeys(VLLM_FINISH_REASONS, 0)
+            for reason, count in self.metrics.finish_reasons.items():
+                counts[VLLM_FINISH.get(reason, reason)] += count
+        for reason, count in counts.items():
             family.add_metric([*values, reason], count)
+        return family
+
+    def _by_label(self, prefix: str, values: list[str], gauges: dict[str, float],
+                  counters: dict[str, int]) -> Iterator[Metric]:
+        """vLLM's families split by one more label, with the values that exist here."""
+        def labeled(kind: type, name: str, doc: str, label: str, split: dict[str, float]) -> Metric:
+            family = kind(prefix + name, doc, labels=(*LABELS, label))
+            for key, value in split.items():
+                family.add_metric([*values, key], value)
+            return family
+
+        yield labeled(GaugeMetricFamily, "num_requests_waiting_by_reason", "Waiting requests by reason.",
+                      "reason", {"capacity": gauges["waiting"], "deferred": 0})
+        yield labeled(GaugeMetricFamily, "engine_sleep_state", "Engine sleep state (it never sleeps).",
+                      "sleep_state", {"awake": 1, "weights_offloaded": 0, "discard_all": 0})
+        sources = {"local_compute": counters["prefill_tokens"],
+                   "local_cache_hit": counters["prefix_cache_hits"], "external_kv_transfer": 0}
+        yield labeled(CounterMetricFamily, "prompt_tokens_by_source", "Prompt tokens by source.", "source",
+                      sources)
+        yield labeled(CounterMetricFamily, "prompt_tokens_cached_by_source",
+                      "Prefix-cache hit tokens by the cache tier that supplied them.", "source",
+                      {"device": counters["prefix_cache_hits"]})
+
+    def _cache_info(self, prefix: str) -> GaugeMetricFamily:
+        info = {**self.metrics.cache_info, "engine": self.metrics.engine}
+        family = GaugeMetricFamily(prefix + "cache_config_info", "The KV cache's settings.",
+                                   labels=list(info))
+        family.add_metric(list(info.values()), 1)
         return family
 
     def _histogram(self, name: str, doc: str, values: list[str], h: Histogram) -> HistogramMetricFamily:

@@ -20,8 +20,11 @@ log = structlog.get_logger()
 
 
 class RequestObserver:
-    def __init__(self, request_id: str, metrics: EngineMetrics, recorder: SpanRecorder):
+    def __init__(self, request_id: str, metrics: EngineMetrics, recorder: SpanRecorder,
+                 max_tokens_param: int | None = None):
+        """`max_tokens_param`: the request's max_tokens as the client gave it (None: not given)."""
         self.request_id = request_id
+        self.max_tokens_param = max_tokens_param
         self.metrics = metrics
         self.recorder = recorder
         self.log = log.bind(request_id=request_id)
@@ -52,6 +55,9 @@ class RequestObserver:
         self.started = True
         self.prompt_tokens = prompt_tokens
         self.metrics.request_started(prompt_tokens)
+        self.metrics.observe("request_max_num_generation_tokens", max_tokens)
+        if self.max_tokens_param is not None:
+            self.metrics.observe("request_params_max_tokens", self.max_tokens_param)
         self.log.info("request received", prompt_tokens=prompt_tokens, max_new_tokens=max_tokens)
 
     def _tokens(self, count: int) -> None:
@@ -83,3 +89,30 @@ class RequestObserver:
                       latency_s=round(latency, 3),
                       ttft_s=None if self.first_token is None else round(self.first_token - self.arrival, 3),
                       tokens_per_s=round(output_tokens / latency, 1) if latency > 0 else 0.0, **fields)
+
+
+class SequencePhases:
+    """The scheduler's view of each sequence's phases (vLLM's prefill, decode and inference
+    times): from its first scheduled step to its first token, to its end."""
+
+    def __init__(self, metrics: EngineMetrics):
+        self.metrics = metrics
+        self._first: dict[int, tuple[float, float | None]] = {}  # seq_id -> (scheduled, first token)
+
+    def scheduled(self, seq_id: int, now: float) -> None:
+        self._first.setdefault(seq_id, (now, None))
+
+    def token(self, seq_id: int, now: float) -> None:
+        scheduled, first = self._first.get(seq_id, (None, None))
+        if scheduled is not None and first is None:
+            self._first[seq_id] = (scheduled, now)
+            self.metrics.observe("request_prefill_time", now - scheduled)
+
+    def ended(self, seq_id: int, now: float, preemptions: int, computed_prompt_tokens: int) -> None:
+        scheduled, first = self._first.pop(seq_id, (None, None))
+        if scheduled is None:
+            return
+        self.metrics.observe("request_inference_time", now - scheduled)
+        self.metrics.observe("request_decode_time", now - (first if first is not None else now))
+        self.metrics.observe("request_num_preemptions", preemptions)
+        self.metrics.observe("request_prefill_kv_computed_tokens", computed_prompt_tokens)

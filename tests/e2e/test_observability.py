@@ -153,6 +153,11 @@ def test_metric_arithmetic_after_a_scripted_workload(ops_server: ServerProcess):
             for k in after["histograms"]}
     assert hist["ttft"] == hist["e2e"] == hist["queue_time"] == hist["request_prompt_tokens"] == n
     assert hist["itl"] == generated - n  # one sample between each two tokens of a request
+    phases = ("request_inference_time", "request_prefill_time", "request_decode_time",
+              "request_num_preemptions", "request_prefill_kv_computed_tokens",
+              "request_max_num_generation_tokens", "request_params_n")
+    assert [hist[k] for k in phases] == [n] * len(phases)  # every request was scheduled and ended
+    assert hist["iteration_tokens"] >= 1
     assert after["gauges"] == {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
 
 
@@ -173,7 +178,11 @@ def test_prometheus_text_parses_and_agrees_with_json(ops_server: ServerProcess):
             assert count.value == snapshot["histograms"][key]["count"], (prefix, key)
         success = {s.labels["finished_reason"]: s.value
                    for s in families[prefix + "request_success"].samples}
-        assert success == snapshot["finish_reasons"]
+        reasons = snapshot["finish_reasons"]
+        if prefix == "vllm:":  # vLLM's values: tool calls end with stop, aborted is abort
+            reasons = {"stop": reasons["stop"] + reasons["tool_calls"], "length": reasons["length"],
+                       "abort": reasons["aborted"], "error": reasons["error"], "repetition": 0}
+        assert success == reasons
 
 
 # -- profiles ----------------------------------------------------------------------------

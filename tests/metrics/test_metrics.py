@@ -83,13 +83,19 @@ def test_prometheus_text_parses_with_both_prefixes_and_labels():
     observe_requests(metrics)
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     for prefix in ("pypto:", "vllm:"):
-        for name, _ in [*GAUGES.values(), *COUNTERS.values(), *HISTOGRAMS.values()]:
-            family = families[prefix + name.removesuffix("_total")]
+        # a counter's family name drops the _total its samples carry; gauges' and histograms' do not
+        names = [*GAUGES.values(), *[(n.removesuffix("_total"), d) for n, d in COUNTERS.values()],
+                 *HISTOGRAMS.values()]
+        for name, _ in names:
+            family = families[prefix + name]
             assert all(s.labels["model_name"] == "tiny" and s.labels["engine"] == "0"
                        for s in family.samples)
         success = {s.labels["finished_reason"]: s.value
                    for s in families[prefix + "request_success"].samples}
-        assert success == {"stop": 1, "length": 0, "tool_calls": 0, "aborted": 1, "error": 0}
+        if prefix == "pypto:":
+            assert success == {"stop": 1, "length": 0, "tool_calls": 0, "aborted": 1, "error": 0}
+        else:  # vLLM's finished_reason values
+            assert success == {"stop": 1, "length": 0, "abort": 1, "error": 0, "repetition": 0}
         prompt = families[prefix + "prompt_tokens"].samples[0]
         assert prompt.name == prefix + "prompt_tokens_total" and prompt.value == 9
 

@@ -27,7 +27,8 @@ def test_a_finished_request_gives_one_ttft_and_one_e2e_sample():
     deltas = [TextDelta("a", (1,)), TextDelta("", (2,)), TextDelta("b", (3,))]
     metrics, _ = observed(Started(5, 10), *deltas, Finished("eos", 5, 3))
     assert counts(metrics) == {"ttft": 1, "itl": 2, "tpot": 1, "e2e": 1, "request_prompt_tokens": 1,
-                               "request_generation_tokens": 1}
+                               "request_generation_tokens": 1, "request_max_num_generation_tokens": 1}
+    assert metrics.histograms["request_max_num_generation_tokens"].sum == 10  # Started's max_tokens
     assert (metrics.prompt_tokens, metrics.generation_tokens) == (5, 3)
     assert metrics.finish_reasons["stop"] == 1
 
