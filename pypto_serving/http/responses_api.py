@@ -59,6 +59,7 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     store: bool = True
+    ignore_eos: bool | None = None  # vLLM's extension (its benchmark client sends it)
 
 
 # -- the response ----------------------------------------------------------------------
@@ -208,7 +209,7 @@ def chat_body(body: ResponsesBody, history: list[dict[str, Any]]) -> bodies.Chat
     fields: dict[str, Any] = {
         "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p,
-        "parallel_tool_calls": body.parallel_tool_calls,
+        "parallel_tool_calls": body.parallel_tool_calls, "ignore_eos": body.ignore_eos,
         "tools": [{"type": "function", "function": msgspec.to_builtins(t) | {"type": None}}
                   for t in body.tools] if body.tools else None,
         "tool_choice": ({"type": "function", "function": {"name": body.tool_choice.name}}

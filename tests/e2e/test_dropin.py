@@ -109,3 +109,31 @@ def test_the_openai_sdk_speaks_the_responses_api(server: ServerProcess):
     later = client.responses.create(model="m", input="And 2+2?", previous_response_id=first.id,
                                     max_output_tokens=4, temperature=0)
     assert later.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+# The bodies `vllm bench serve` (v0.33.0, benchmarks/lib/endpoint_request_func.py) sends for
+# its openai, openai-chat and openai-responses backends, with --ignore-eos.
+VLLM_BENCH = {
+    "/v1/completions": {"model": "smollm2", "prompt": "The quick brown fox", "repetition_penalty": 1.0,
+                        "max_tokens": 5, "logprobs": None, "stream": True,
+                        "stream_options": {"include_usage": True}, "ignore_eos": True},
+    "/v1/chat/completions": {"model": "smollm2", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "The quick brown fox"}]}],
+        "max_completion_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True},
+    "/v1/responses": {"model": "smollm2", "input": "The quick brown fox", "max_output_tokens": 5,
+                      "stream": True, "store": False, "ignore_eos": True},
+}
+
+
+@pytest.mark.parametrize("path", list(VLLM_BENCH))
+def test_the_bodies_vllm_bench_sends(http: httpx.Client, path: str):
+    r = http.post(path, json=VLLM_BENCH[path], headers={"x-request-id": "bench-0"})
+    assert r.status_code == 200
+    data = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+    if path == "/v1/responses":
+        assert data[-1]["type"] == "response.completed"
+        assert data[-1]["response"]["usage"]["output_tokens"] == 5
+    else:
+        assert data[-1]["usage"]["completion_tokens"] == 5 and r.text.rstrip().endswith("data: [DONE]")
