@@ -4,6 +4,7 @@ as text parts, stream usage on request (`include_usage`, `continuous_usage_stats
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import json
 
@@ -137,3 +138,25 @@ def test_the_bodies_vllm_bench_sends(http: httpx.Client, path: str):
         assert data[-1]["response"]["usage"]["output_tokens"] == 5
     else:
         assert data[-1]["usage"]["completion_tokens"] == 5 and r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_the_async_sdk_runs_requests_side_by_side(server: ServerProcess):
+    async def main() -> tuple[list[str], list[str]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            async def chat(i: int) -> str:
+                r = await client.chat.completions.create(model="m", messages=SHORT_ANSWER, max_tokens=4,
+                                                         temperature=0, seed=i)
+                return r.choices[0].message.content
+
+            async def streamed() -> list[str]:
+                stream = await client.completions.create(model="m", prompt="1, 2, 3,", max_tokens=4,
+                                                         stream=True, temperature=0)
+                return [c.choices[0].text async for c in stream if c.choices]
+
+            *answers, parts = await asyncio.gather(*(chat(i) for i in range(4)), streamed())
+            return answers, parts
+
+    answers, parts = asyncio.run(main())
+    assert len(set(answers)) == 1 and answers[0]  # greedy: the same answer in any batch
+    assert "".join(parts)
