@@ -29,3 +29,11 @@ def hf_smollm2(smollm2_gguf: str):
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf, gguf_file=smollm2_gguf,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_source(smollm2_gguf: str):
+    """The packaged SmolLM2 as `--model smollm2` resolves it."""
+    from pypto_serving.app.model_source import resolve_model
+
+    return resolve_model("smollm2")

@@ -5,16 +5,12 @@ from __future__ import annotations
 import pytest
 
 from pypto_serving.app.cli import build_parser
-from pypto_serving.app.model_source import ModelSourceError, resolve_model
 from pypto_serving.app.settings import FlagError, build_settings
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return resolve_model("smollm2")
-    except ModelSourceError as exc:
-        pytest.skip(str(exc))
+def smollm2(smollm2_source):
+    return smollm2_source
 
 
 def worker(source, *flags: str):

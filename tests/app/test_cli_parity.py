@@ -7,18 +7,14 @@ import pytest
 
 from pypto_serving.app.cli import REFUSED_VLLM_FLAGS, build_parser
 from pypto_serving.app.launch import load_tokenizer
-from pypto_serving.app.model_source import ModelSourceError, resolve_model
 from pypto_serving.app.settings import FlagError, check_flags
 
 USER = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return resolve_model("smollm2")
-    except ModelSourceError as exc:
-        pytest.skip(str(exc))
+def smollm2(smollm2_source):
+    return smollm2_source
 
 
 def parse(*flags: str):
