@@ -34,6 +34,7 @@ from pypto_serving.core.request import (
     Started,
     TextDelta,
     TokenLogprob,
+    check_token_ids,
 )
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.messages.mailbox import Mailbox
@@ -98,7 +99,7 @@ class RequestStream:
             return
         prompt_text, prompt_ids = encoded
         max_tokens = self._max_tokens(prompt_ids)
-        self._check_token_ids(self.request.stop_token_ids, "stop_token_ids")
+        check_token_ids(self.request.stop_token_ids, self.tokenizer.vocab_size, "stop_token_ids")
         self._submit(prompt_ids, max_tokens)
         try:  # from here on the sequence exists: closing the stream at any point aborts it
             yield Started(len(prompt_ids), max_tokens)
@@ -133,16 +134,8 @@ class RequestStream:
             if isinstance(reply, Rejected):
                 raise InvalidRequest(reply.message, "messages")
             text, ids = reply.text, reply.token_ids
-        self._check_token_ids(ids, "prompt")
+        check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
         return text, self._non_empty(ids)
-
-    def _check_token_ids(self, ids: tuple[int, ...], field: str) -> None:
-        # An id outside the vocabulary would fail inside the device worker, for every request.
-        vocab = self.tokenizer.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise InvalidRequest(f"'{field}' has token id {bad[0]}, outside this model's "
-                                 f"vocabulary: token ids must be in 0..{vocab - 1}", field)
 
     def _non_empty(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         if ids:

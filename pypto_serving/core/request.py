@@ -6,6 +6,7 @@ No JSON below http/: handlers turn bodies into `GenerateRequest`, the engine ans
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pypto_serving.core.sampling_params import SamplingParams
@@ -20,6 +21,15 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    """Refuses an id outside the vocabulary, which would otherwise fail deep inside the device
+    worker (for every request of its step) or the detokenizer."""
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise InvalidRequest(f"'{field}' has token id {bad[0]}, outside this model's "
+                             f"vocabulary: token ids must be in 0..{vocab_size - 1}", field)
 
 
 @dataclass(frozen=True, slots=True)

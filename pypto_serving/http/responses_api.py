@@ -202,6 +202,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _function(tool: FunctionTool) -> dict[str, Any]:
+    """A flat Responses tool as chat's nested `function` (everything but its `type`)."""
+    return {k: v for k, v in msgspec.to_builtins(tool).items() if k != "type"}
+
+
 def chat_body(body: ResponsesBody, history: list[dict[str, Any]]) -> bodies.ChatBody:
     """The chat request that answers `body` after the stored `history`."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else [])
@@ -210,13 +215,10 @@ def chat_body(body: ResponsesBody, history: list[dict[str, Any]]) -> bodies.Chat
         "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p,
         "parallel_tool_calls": body.parallel_tool_calls, "ignore_eos": body.ignore_eos,
-        "tools": [{"type": "function", "function": msgspec.to_builtins(t) | {"type": None}}
-                  for t in body.tools] if body.tools else None,
+        "tools": [{"type": "function", "function": _function(t)} for t in body.tools] if body.tools else None,
         "tool_choice": ({"type": "function", "function": {"name": body.tool_choice.name}}
                         if isinstance(body.tool_choice, NamedFunction) else body.tool_choice),
     }
-    for tool in fields["tools"] or ():
-        del tool["function"]["type"]
     try:  # fields left unset take the server's defaults, as an omitted chat field does
         return msgspec.convert({k: v for k, v in fields.items() if v is not None}, bodies.ChatBody)
     except msgspec.ValidationError as exc:
@@ -261,6 +263,7 @@ class ResponseBuilder:
         self.model = model
         self.created_at = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.done: Finished | None = None
@@ -275,7 +278,7 @@ class ResponseBuilder:
     def items(self) -> list[OutputItem]:
         out: list[OutputItem] = []
         if "".join(self.reasoning):
-            out.append(ReasoningItem(f"rs_{self.id[5:]}", [ReasoningText("".join(self.reasoning))]))
+            out.append(ReasoningItem(self.reasoning_id, [ReasoningText("".join(self.reasoning))]))
         calls = self.done.tool_calls if self.done is not None else ()
         if "".join(self.text) or not calls:
             status = "incomplete" if self._incomplete() else "completed"
@@ -323,7 +326,6 @@ class EventWriter:
     def __init__(self, send: Send, builder: ResponseBuilder):
         self.send, self.builder = send, builder
         self.sequence = 0
-        self.reasoning_id = f"rs_{builder.id[5:]}"
         self.streamed: set[str] = set()  # item ids whose item.added went out
 
     async def event(self, kind: str, **fields: Any) -> None:
@@ -338,11 +340,12 @@ class EventWriter:
 
     async def delta(self, event: TextDelta) -> None:
         if event.reasoning:
-            await self._open(self.reasoning_id, 0, ReasoningItem(self.reasoning_id, []), ReasoningText(""))
-            await self.event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+            item_id = self.builder.reasoning_id
+            await self._open(item_id, 0, ReasoningItem(item_id, []), ReasoningText(""))
+            await self.event("response.reasoning_text.delta", item_id=item_id, output_index=0,
                              content_index=0, delta=event.reasoning)
         if event.text:
-            item_id, index = self.builder.message_id, int(self.reasoning_id in self.streamed)
+            item_id, index = self.builder.message_id, int(self.builder.reasoning_id in self.streamed)
             await self._open(item_id, index, MessageItem(item_id, [], "in_progress"), OutputText(""))
             await self.event("response.output_text.delta", item_id=item_id, output_index=index,
                              content_index=0, delta=event.text)

@@ -15,7 +15,13 @@ from aiohttp import web
 
 from pypto_serving.actors.engine import Engine
 from pypto_serving.core.generate_config import GenerateDefaults
-from pypto_serving.core.request import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
+from pypto_serving.core.request import (
+    INVALID_MODEL_OUTPUT,
+    Finished,
+    InvalidRequest,
+    TextDelta,
+    check_token_ids,
+)
 from pypto_serving.http import bodies, protocol
 from pypto_serving.http import responses as r
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
@@ -86,11 +92,7 @@ class Handlers:
     async def detokenize(self, request: web.Request) -> web.Response:
         try:
             body = protocol.decode_body(await request.read(), bodies.DetokenizeBody)
-            vocab = self.engine.tokenizer.vocab_size
-            bad = [t for t in body.tokens if t >= vocab]
-            if bad:
-                raise InvalidRequest(f"'tokens' has token id {bad[0]}, outside this model's vocabulary: "
-                                     f"token ids must be in 0..{vocab - 1}", "tokens")
+            check_token_ids(body.tokens, self.engine.tokenizer.vocab_size, "tokens")
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
         return json_response(r.Detokenized(await self.engine.tokenizer_actor.decode(body.tokens)))
