@@ -8,13 +8,20 @@ in flight, so a graceful shutdown can wait for them or abort them.
 One fault policy: an exception inside any engine actor, a failed step or a dead device worker
 is engine death (`_die`): the traceback is logged with the request ids in flight, every
 in-flight request ends with `error` (its KV blocks freed), `dead_reason` says why (/health
-answers 503 with it) and every later request ends with `error` at once.
+answers 503 with it) and every later request ends with `error` at once. With
+`restart_worker` the engine then starts a new device worker and new actors (after a backoff
+that grows while deaths come quickly) and serves again.
+
+Bounds (`Admission`): a request that arrives while a full batch runs and `max_queue_len`
+requests already wait is refused at once (`Refused`, HTTP 503 with Retry-After); one that
+runs past `request_timeout` seconds ends with `error` (type `timeout`) and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -22,14 +29,14 @@ import msgspec
 import structlog
 
 from pypto_serving.actors.base import Actor
-from pypto_serving.actors.device_client import DeviceWorkerClient
+from pypto_serving.actors.device_client import DeviceWorkerClient, WorkerStartError
 from pypto_serving.actors.request import RequestLimits, RequestStream
 from pypto_serving.actors.scheduler import SchedulerActor
 from pypto_serving.actors.tokenizer import TokenizerActor
 from pypto_serving.core.block_allocator import BlockAllocator
-from pypto_serving.core.request import Finished, GenerateRequest, Started, TextDelta
+from pypto_serving.core.request import Finished, GenerateRequest, Refused, Started, TextDelta
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
-from pypto_serving.messages.request import EngineDied
+from pypto_serving.messages.request import EngineDied, TimedOut
 from pypto_serving.messages.scheduler import AbortAll
 from pypto_serving.messages.worker import GrammarConfig, WorkerConfig, WorkerReady
 from pypto_serving.parsers.grammar import Grammars
@@ -41,6 +48,10 @@ from pypto_serving.tokenizer.tokenizer import Tokenizer
 log = structlog.get_logger()
 
 Event = Started | TextDelta | Finished
+RESTART_BACKOFF_S = 0.5  # before the first restart; doubles with each death in RESTART_WINDOW_S
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_WINDOW_S = 300.0
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +61,21 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Admission:
+    max_queue_len: int | None = None  # waiting requests beyond which new ones get 503; None: no bound
+    request_timeout: float | None = None  # seconds from arrival to the last token; None: no limit
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     worker: WorkerConfig
     scheduler: SchedulerConfig
     cache: CacheConfig
     limits: RequestLimits
+    admission: Admission = Admission()
+    restart_worker: bool = False  # start the device worker again after engine death
+    log_requests: bool = False  # prompts and outputs in the request log lines
+    max_log_len: int | None = None  # ... cut to this many characters
 
 
 class Engine:
@@ -75,7 +96,11 @@ class Engine:
         self.ready: WorkerReady | None = None
         self.allocator: BlockAllocator | None = None
         self.scheduler: SchedulerActor | None = None
+        self.tokenizer_actor: TokenizerActor | None = None
         self._dead_reason: str | None = None
+        self._stopping = False
+        self._restart_task: asyncio.Task | None = None
+        self._deaths: list[float] = []  # when the engine died, within RESTART_WINDOW_S
         self._tokenizer_json = tokenizer.tokenizers_json()
         self.grammars = Grammars(self._tokenizer_json, config.worker.model.arch.vocab_size,
                                  tokenizer.eos_token_id)
@@ -94,7 +119,8 @@ class Engine:
                                         on_death=self._die, on_fault=self._fault)
         self.metrics.bind(policy, self.allocator)
         self.metrics.cache_info = self._cache_info()
-        self.tokenizer_actor = TokenizerActor(self.tokenizer, on_fault=self._fault)
+        self.tokenizer_actor = TokenizerActor(self.tokenizer, on_fault=self._fault,
+                                              max_model_len=self.config.limits.max_model_len)
         for actor in self._actors:
             actor.start()
         return self.ready
@@ -135,8 +161,32 @@ class Engine:
                 self.scheduler.die(reason)  # ends its sequences and frees their blocks
             except Exception:  # a broken scheduler: the requests still hear of it below
                 log.exception("the scheduler could not end its sequences")
+            if self.config.restart_worker and not self._stopping:
+                self._restart_task = asyncio.get_running_loop().create_task(self._restart(reason))
         for stream in self._in_flight.values():
             stream.tell(EngineDied(self._dead_reason))  # those the scheduler was not told of
+
+    async def _restart(self, reason: str) -> None:
+        """After engine death: a new device worker and new actors, until one starts."""
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
+        delay = RESTART_BACKOFF_S * 2 ** (len(self._deaths) - 1)
+        while not self._stopping:
+            delay = min(delay, RESTART_BACKOFF_MAX_S)
+            log.info("restarting the device worker", after=reason, in_seconds=delay)
+            await asyncio.sleep(delay)
+            await self._stop_parts()
+            try:
+                await self.start()
+            except WorkerStartError as exc:
+                log.error("the device worker could not start again", error=str(exc))
+                delay *= 2
+                continue
+            self.metrics.worker_restarts += 1
+            self._dead_reason = None
+            log.info("engine restarted", after=reason, restarts=self.metrics.worker_restarts,
+                     worker_pids=[w.process.pid for w in self.workers])
+            return
 
     def _request_ids(self) -> list[str]:
         return [s.request.request_id for s in self._in_flight.values()]
@@ -144,29 +194,57 @@ class Engine:
     @property
     def dead_reason(self) -> str | None:
         """Why the engine cannot serve: engine death, or a stopped actor loop."""
+        if self._dead_reason is not None and self._restart_task is not None \
+                and not self._restart_task.done():
+            return f"{self._dead_reason} (restarting)"
         if self._dead_reason is not None or self.scheduler is None:
             return self._dead_reason
         stopped = [type(a).__name__ for a in self._actors if not a.alive]
         return f"engine loop stopped: {', '.join(stopped)}" if stopped else None
+
+    def _admit(self) -> None:
+        """Refuses a request that would wait behind `max_queue_len` others: in flight are at
+        most a full running batch and that many waiting (being tokenized counts as waiting)."""
+        limit = self.config.admission.max_queue_len
+        if limit is None:
+            return
+        running = self.config.scheduler.max_num_seqs
+        if len(self._in_flight) >= running + limit:
+            self.metrics.rejected("queue_full")
+            raise Refused(f"the server is at capacity: {len(self._in_flight)} requests in flight "
+                          f"(--max-num-seqs {running} running, --max-queue-len {limit} waiting); "
+                          "retry later", 503, "overloaded", retry_after=RETRY_AFTER_S)
+
+    def _time_out(self, stream: RequestStream, timeout: float) -> None:
+        self.metrics.rejected("timeout")
+        stream.tell(TimedOut(timeout))
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         seq_id = next(self._seq_ids)
         stream = RequestStream(request, seq_id, self.tokenizer, self.tokenizer_actor,
                                self.scheduler, self.config.limits, self.grammars)
         observer = RequestObserver(request.request_id, self.metrics, self.recorder, request.max_tokens)
+        if self.config.log_requests:
+            observer.log_content(request.prompt, self.config.max_log_len)
         return self._observed(stream, observer)
 
     async def _observed(self, stream: RequestStream, observer: RequestObserver) -> AsyncIterator[Event]:
         seq_id, events = stream.seq_id, stream.events()
+        self._admit()
         self._in_flight[seq_id] = stream
         self._idle.clear()
         if self._dead_reason is not None:  # ends before the (maybe broken) actors see it
             stream.tell(EngineDied(self._dead_reason))
+        timeout = self.config.admission.request_timeout
+        timer = None if timeout is None else asyncio.get_running_loop().call_later(
+            timeout, self._time_out, stream, timeout)
         try:
             async for event in events:
                 observer.on_event(event)
                 yield event
         finally:
+            if timer is not None:
+                timer.cancel()
             await events.aclose()  # a request closed early sends its Abort now
             observer.close()
             self._in_flight.pop(seq_id, None)
@@ -198,6 +276,16 @@ class Engine:
             self.worker.kill()
 
     async def shutdown(self) -> None:
-        for actor in (self.tokenizer_actor, self.scheduler):
-            await actor.stop()
-        await self.worker.stop()
+        self._stopping = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+            await asyncio.gather(self._restart_task, return_exceptions=True)
+        await self._stop_parts()
+
+    async def _stop_parts(self) -> None:
+        """The actors and the device worker (gone already after its death)."""
+        for actor in self._actors:
+            if actor is not None:
+                await actor.stop()
+        if self.worker is not None:
+            await self.worker.stop()

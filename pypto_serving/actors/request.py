@@ -28,9 +28,11 @@ import structlog
 from pypto_serving.actors.base import unknown
 from pypto_serving.core.request import (
     INVALID_MODEL_OUTPUT,
+    TIMEOUT,
     Finished,
     GenerateRequest,
     InvalidRequest,
+    Refused,
     Started,
     TextDelta,
     TokenLogprob,
@@ -38,7 +40,7 @@ from pypto_serving.core.request import (
 )
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.messages.mailbox import Mailbox
-from pypto_serving.messages.request import Encoded, EngineDied, Rejected, RequestInbox, Tokens
+from pypto_serving.messages.request import Encoded, EngineDied, Rejected, RequestInbox, TimedOut, Tokens
 from pypto_serving.messages.scheduler import Abort, Submit
 from pypto_serving.messages.tokenizer import Encode
 from pypto_serving.parsers.grammar import Grammars
@@ -50,8 +52,6 @@ from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 log = structlog.get_logger()
 ENGINE_ENDINGS = ("error", "aborted")
-
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,8 @@ class RequestStream:
         self.grammars = grammars
         self.log = log.bind(request_id=request.request_id)
         self._done = False
+        self._generated = 0  # tokens received so far
+        self._error_type = "engine_error"  # of a finish with `error`: timeout when it timed out
 
     def tell(self, msg: RequestInbox) -> None:
         self._mailbox.put_nowait(msg)
@@ -83,6 +85,12 @@ class RequestStream:
         match await self._mailbox.get():
             case EngineDied(reason):
                 return Tokens(self.seq_id, (), "error", error=reason)
+            case TimedOut(timeout_s):
+                self.scheduler.tell(Abort(self.seq_id, "error"))  # frees its blocks, if any
+                self._error_type = TIMEOUT
+                where = " while it waited to be scheduled" if not self._generated else ""
+                return Tokens(self.seq_id, (), "error",
+                              error=f"the request ran past --request-timeout ({timeout_s:g} s){where}")
             case Encoded() | Rejected() | Tokens() as msg:
                 return msg
             case msg:
@@ -92,10 +100,10 @@ class RequestStream:
         """Raises InvalidRequest before the first event when the request cannot run."""
         await self._check_grammar()
         encoded = await self._encode()
-        if isinstance(encoded, Tokens):  # the engine died while the prompt was encoded
+        if isinstance(encoded, Tokens):  # the engine died (or time ran out) during encoding
             self._done = True
             yield Started(0, 0)
-            yield Finished("error", 0, 0, 0, encoded.error)
+            yield Finished("error", 0, 0, 0, encoded.error, self._error_type)
             return
         prompt_text, prompt_ids = encoded
         max_tokens = self._max_tokens(prompt_ids)
@@ -131,8 +139,10 @@ class RequestStream:
             reply = await self._receive()
             if isinstance(reply, Tokens):
                 return reply
+            if isinstance(reply, Rejected) and reply.status != 400:
+                raise Refused(reply.message, reply.status, "internal_error")
             if isinstance(reply, Rejected):
-                raise InvalidRequest(reply.message, "messages")
+                raise InvalidRequest(reply.message, "prompt" if isinstance(prompt, str) else "messages")
             text, ids = reply.text, reply.token_ids
         check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
         return text, self._non_empty(ids)
@@ -187,6 +197,7 @@ class RequestStream:
             if not isinstance(msg, Tokens):
                 unknown(self, msg)
             count += len(msg.token_ids)
+            self._generated = count
             text, stopped = stop.push(detok.push(list(msg.token_ids)))
             if msg.finish_reason is not None and not stopped:
                 more, stopped = self._flush(detok, stop)
@@ -225,7 +236,7 @@ class RequestStream:
         reason = "stop" if stopped else msg.finish_reason or "error"
         if msg.finish_reason is None:  # a stop string, or malformed tool-call output
             self.scheduler.tell(Abort(self.seq_id, reason))
-        return Finished(reason, prompt_tokens, count, msg.num_cached_tokens, msg.error)
+        return Finished(reason, prompt_tokens, count, msg.num_cached_tokens, msg.error, self._error_type)
 
     @staticmethod
     def _parsed(done: Finished, end: ReplyEnd, error: str | None) -> Finished:

@@ -23,6 +23,18 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+class Refused(Exception):
+    """The request cannot run now or here, through no fault in its body: an HTTP error other
+    than 400 (503 with Retry-After when the queue is full, 500 when preparing it failed)."""
+
+    def __init__(self, message: str, status: int, kind: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.kind = kind
+        self.retry_after = retry_after
+
+
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
     """Refuses an id outside the vocabulary, which would otherwise fail deep inside the device
     worker (for every request of its step) or the detokenizer."""
@@ -93,6 +105,7 @@ class TextDelta:
 
 
 INVALID_MODEL_OUTPUT = "invalid_model_output"  # Finished.error_type of unparsable tool calls
+TIMEOUT = "timeout"  # Finished.error_type of a request that ran past --request-timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,5 +115,5 @@ class Finished:
     completion_tokens: int
     cached_tokens: int = 0
     error: str | None = None
-    error_type: str = "engine_error"  # or invalid_model_output: unparsable tool calls
+    error_type: str = "engine_error"  # or invalid_model_output (unparsable tool calls), timeout
     tool_calls: tuple[ToolCall, ...] = ()  # the complete calls, with finish_reason tool_calls

@@ -16,7 +16,10 @@ class Encoded:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
+    """The prompt cannot be prepared: bad input (400), or a failure preparing it (500)."""
+
     message: str
+    status: int = 400
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,5 +42,12 @@ class EngineDied:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """From the engine: the request ran past --request-timeout; end now, freeing its blocks."""
+
+    timeout_s: float
+
+
 # Everything a request stream receives.
-RequestInbox = Encoded | Rejected | Tokens | EngineDied
+RequestInbox = Encoded | Rejected | Tokens | EngineDied | TimedOut

@@ -27,6 +27,9 @@ from pypto_serving.core.scheduler import Scheduler
 PREFIXES = ("pypto:", "vllm:")
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "tool_calls", "aborted", "error")
+# why requests were turned away or cut off by the server's bounds (not bad input: see the
+# http metrics for 400s): a full queue (503), --request-timeout, --max-request-bytes (413)
+REJECTION_REASONS = ("queue_full", "timeout", "body_too_large")
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
             10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -130,6 +133,8 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finish_reasons = dict.fromkeys(FINISH_REASONS, 0)
+        self.rejections = dict.fromkeys(REJECTION_REASONS, 0)
+        self.worker_restarts = 0
         tokens = token_buckets(max_model_len)
         bounds = {"ttft": _LATENCY, "itl": _PER_TOKEN, "tpot": _PER_TOKEN, "e2e": _REQUEST,
                   "queue_time": _REQUEST, "request_prompt_tokens": tokens,
@@ -165,6 +170,9 @@ class EngineMetrics:
         self.observe("request_prompt_tokens", prompt_tokens)
         self.observe("request_generation_tokens", output_tokens)
 
+    def rejected(self, reason: str) -> None:
+        self.rejections[reason] += 1
+
     # -- views -----------------------------------------------------------------
     def gauges(self) -> dict[str, float]:
         sched, alloc = self._scheduler, self._allocator
@@ -196,7 +204,8 @@ class EngineMetrics:
         counters = {**self.counters(), "requests_finished": sum(reasons.values()),
                     "requests_error": reasons["error"], "requests_aborted": reasons["aborted"]}
         replica = {"engine": self.engine, "gauges": self.gauges(), "counters": counters,
-                   "finish_reasons": reasons,
+                   "finish_reasons": reasons, "rejections": dict(self.rejections),
+                   "worker_restarts": self.worker_restarts,
                    "histograms": {key: _histogram_json(h) for key, h in self.histograms.items()}}
         return {"schema_version": 1, "server_id": self.server_id, "started_at": self.started_at,
                 "timestamp": time.time(), "model_name": self.model_name, "replicas": [replica]}
@@ -244,6 +253,21 @@ class _Collector:
                 yield self._histogram(prefix + name, doc, values, m.histograms[key])
             yield from self._by_label(prefix, values, gauges, counters)
             yield self._cache_info(prefix)
+        yield from self._operations(values)
+
+    def _operations(self, values: list[str]) -> Iterator[Metric]:
+        """This server's own families (vLLM has no such names): the bounds' rejections and
+        the device workers started again by --restart-worker."""
+        rejections = CounterMetricFamily("pypto:request_rejections_total",
+                                         "Requests turned away or cut off by a server bound, by reason.",
+                                         labels=(*LABELS, "reason"))
+        for reason, count in self.metrics.rejections.items():
+            rejections.add_metric([*values, reason], count)
+        yield rejections
+        restarts = CounterMetricFamily("pypto:worker_restarts_total",
+                                       "Device workers started again after engine death.", labels=LABELS)
+        restarts.add_metric(values, self.metrics.worker_restarts)
+        yield restarts
 
     def _finish_reasons(self, prefix: str, values: list[str]) -> CounterMetricFamily:
         family = CounterMetricFamily(prefix + "request_success_total", "Finished requests by reason.",

@@ -35,13 +35,23 @@ class RequestObserver:
         self.output_tokens = 0
         self.started = False
         self.finished = False
+        self._content: tuple[object, int | None] | None = None  # (prompt, max_log_len)
+        self._output: list[str] = []
+
+    def log_content(self, prompt: object, max_len: int | None) -> None:
+        """--log-requests: the prompt and the output go into the two log lines, cut to
+        `max_len` characters (never logged otherwise)."""
+        self._content = (prompt, max_len)
 
     def on_event(self, event: object) -> None:
         match event:
             case Started(prompt_tokens, max_tokens):
                 self._started(prompt_tokens, max_tokens)
-            case TextDelta(_, token_ids) if token_ids:
-                self._tokens(len(token_ids))
+            case TextDelta(text, token_ids):
+                if self._content is not None:
+                    self._output.append(event.reasoning + text)
+                if token_ids:
+                    self._tokens(len(token_ids))
             case Finished():
                 self._finished(event.finish_reason, event.prompt_tokens, event.completion_tokens,
                                cached_tokens=event.cached_tokens, error=event.error)
@@ -58,7 +68,8 @@ class RequestObserver:
         self.metrics.observe("request_max_num_generation_tokens", max_tokens)
         if self.max_tokens_param is not None:
             self.metrics.observe("request_params_max_tokens", self.max_tokens_param)
-        self.log.info("request received", prompt_tokens=prompt_tokens, max_new_tokens=max_tokens)
+        fields = {} if self._content is None else {"prompt": self._cut(self._content[0])}
+        self.log.info("request received", prompt_tokens=prompt_tokens, max_new_tokens=max_tokens, **fields)
 
     def _tokens(self, count: int) -> None:
         now = time.monotonic()
@@ -84,11 +95,19 @@ class RequestObserver:
             self.metrics.observe("tpot", (self.last_token - self.first_token) / (output_tokens - 1))
         self.metrics.request_finished(reason, prompt_tokens, output_tokens)
         fields = {"error": error} if error else {}
+        if self._content is not None:
+            fields["output"] = self._cut("".join(self._output))
         self.log.info("request finished", prompt_tokens=prompt_tokens, output_tokens=output_tokens,
                       cached_tokens=cached_tokens, reason=finish_label(reason),
                       latency_s=round(latency, 3),
                       ttft_s=None if self.first_token is None else round(self.first_token - self.arrival, 3),
                       tokens_per_s=round(output_tokens / latency, 1) if latency > 0 else 0.0, **fields)
+
+
+    def _cut(self, value: object) -> str:
+        text = value if isinstance(value, str) else repr(value)
+        max_len = self._content[1]
+        return text if max_len is None or len(text) <= max_len else text[:max_len] + "..."
 
 
 class SequencePhases:

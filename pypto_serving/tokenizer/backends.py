@@ -35,6 +35,8 @@ class Backend(Protocol):
 
     def is_special(self, token_id: int) -> bool: ...
 
+    def max_token_chars(self) -> int | None: ...
+
 
 class HFBackend:
     """A `tokenizers.Tokenizer` (from tokenizer.json or built from GGUF metadata)."""
@@ -59,6 +61,15 @@ class HFBackend:
 
     def to_json(self) -> str:
         return self._tok.to_str()
+
+    def max_token_chars(self) -> int | None:
+        """No token stands for more characters of input than this, so a text of C characters
+        has at least C / this many tokens. None where that cannot be promised: a normalizer
+        or an added token that strips whitespace can drop input characters."""
+        added = self._tok.get_added_tokens_decoder().values()
+        if self._tok.normalizer is not None or any(t.lstrip or t.rstrip for t in added):
+            return None
+        return max(len(self._tok.id_to_token(i) or "") for i in range(self.vocab_size))
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -155,6 +166,10 @@ class SentencePieceBackend:
 
     def is_special(self, token_id: int) -> bool:
         return self._added.get(token_id, ("", False))[1]
+
+    def max_token_chars(self) -> None:
+        """No bound: SentencePiece's normalizer may fold runs of whitespace."""
+        return None
 
 
 def _added_token_pattern(tokens: Mapping[str, int]) -> re.Pattern[str] | None:

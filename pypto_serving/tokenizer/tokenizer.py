@@ -9,6 +9,7 @@ Encoding and chat rendering match transformers' `AutoTokenizer` on the same file
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -109,6 +110,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (transformers' `len(tokenizer)`)."""
         return self._backend.vocab_size
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most input characters one token can stand for (None: no such bound)."""
+        return self._backend.max_token_chars()
 
     def tokenizers_json(self) -> str | None:
         """The tokenizer in the Hugging Face tokenizers JSON format (what grammar engines
