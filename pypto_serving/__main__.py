@@ -1,5 +1,5 @@
 import sys
 
-from pypto_serving.app.cli import main
+from pypto_serving.app.entry import main
 
 sys.exit(main())

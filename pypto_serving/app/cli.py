@@ -78,7 +78,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--speculative-config": "speculative decoding is not supported",
     "--cpu-offload-gb": "weights stay on their device: there is no CPU offload",
     "--swap-space": "preempted sequences are recomputed, not swapped: there is no swap space",
-    "--api-key": "access control is not implemented yet: put the server behind a proxy that checks keys",
 }
 UVICORN_LEVELS = {"critical": "error", "error": "error", "warning": "warning", "info": "info",
                   "debug": "debug", "trace": "debug"}
@@ -115,8 +114,11 @@ def _vllm_flags(p: argparse.ArgumentParser) -> None:
                    help="accepted and ignored: no code is ever loaded from a checkpoint")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="accepted: this server logs no periodic stats (they are on /metrics)")
-    p.add_argument("--max-log-len", type=int, default=None,
-                   help="accepted: prompts and outputs are never logged, so there is nothing to cut")
+    p.add_argument("--max-log-len", type=_positive_int, default=None,
+                   help="with --log-requests: cut logged prompts and outputs to this many characters "
+                        "(without it, accepted: nothing else logs them)")
+    p.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
+                   help="vLLM's name for --log-requests")
     p.add_argument("--enforce-eager", action="store_true",
                    help="accepted: every step runs eagerly (there are no CUDA graphs yet)")
     p.add_argument("--uvicorn-log-level", type=_uvicorn_level, dest="log_level", default=argparse.SUPPRESS,
@@ -211,8 +213,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they "
                         "are aborted (default 30)")
+    _operations_flags(p)
     _vllm_flags(p)
     return p
+
+
+def _operations_flags(p: argparse.ArgumentParser) -> None:
+    """Bounds, timeouts, access control and recovery: what an operator sets."""
+    p.add_argument("--max-queue-len", type=int, default=None,
+                   help="requests that may wait for a running slot; more get 503 with Retry-After "
+                        "(default 4 x --max-num-seqs; 0: no bound)")
+    p.add_argument("--request-timeout", type=_seconds, default=0.0,
+                   help="seconds a request may take from arrival to its last token, queue time "
+                        "included; then it ends with an error, 504 if nothing was sent (default 0: "
+                        "no limit)")
+    p.add_argument("--max-request-bytes", type=_size, default=8 << 20,
+                   help="largest request body accepted, e.g. 8MiB; larger gets 413 (default 8MiB)")
+    p.add_argument("--request-body-timeout", type=_seconds, default=30.0,
+                   help="seconds a request body may take to arrive; then 408 (default 30)")
+    p.add_argument("--keep-alive-timeout", type=_seconds, default=15.0,
+                   help="seconds an idle connection, or one still sending its headers, stays open "
+                        "(default 15)")
+    p.add_argument("--restart-worker", action="store_true",
+                   help="start the device worker again after it dies (or the engine fails), "
+                        "with a growing backoff; without it /health stays 503")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                        "and the profile routes; repeatable; @path reads one key per line")
+    p.add_argument("--metrics-require-auth", action="store_true",
+                   help="with --api-key: /metrics and /metrics/json need a key too")
+    p.add_argument("--allowed-origins", default=None,
+                   help="CORS: origins browsers may call from, comma list or JSON list, * for any "
+                        "(default: none, no CORS headers)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log each request's prompt and output (never logged otherwise)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import sys
 import time
 from pathlib import Path
@@ -18,9 +19,11 @@ from pypto_serving.app.settings import FlagError, ServerSettings, build_settings
 from pypto_serving.app.shutdown import ShutdownSignals, graceful_shutdown
 from pypto_serving.core.request import ChatInput, Finished, GenerateRequest, TextDelta
 from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.http.edge import install_edge
 from pypto_serving.http.ops import Ops
-from pypto_serving.http.server import Handlers, build_app
+from pypto_serving.http.server import AppRunner, Handlers, build_app
 from pypto_serving.loader.errors import UnsupportedModel
+from pypto_serving.process.heap import release_freed_memory
 from pypto_serving.telemetry.logs import configure_logging
 from pypto_serving.telemetry.metrics import EngineMetrics
 from pypto_serving.telemetry.profiling import Profiler, SpanRecorder
@@ -32,6 +35,10 @@ log = structlog.get_logger()
 def launch(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     check_flags(args)  # fail on bad flags before touching the model
+    try:  # a port in use is found now, not after minutes of loading
+        listening = None if args.prompt else listen(args.host, args.port)
+    except OSError as exc:
+        return _fail(args, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", 2)
     log.info("starting", model=args.model, backend=args.backend or "auto")
     try:
         source = resolve_model(args.model)
@@ -41,13 +48,32 @@ def launch(args: argparse.Namespace) -> int:
         if isinstance(exc, FlagError):
             raise
         return _fail(args, str(exc), 2)
-    run = offline if args.prompt else serve
+    # Big bodies and prompts come and go: their memory goes back to the OS when freed.
+    release_freed_memory()
     try:
-        return asyncio.run(run(settings, tokenizer, args))
+        if listening is None:
+            return asyncio.run(offline(settings, tokenizer, args))
+        return asyncio.run(serve(settings, tokenizer, args, listening))
     except WorkerStartError as exc:
         return _fail(args, f"the device worker could not start: {exc}", 1)
     except KeyboardInterrupt:  # Ctrl-C in offline mode (serve mode handles its signals)
         return 130
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 def load_tokenizer(args: argparse.Namespace, source: ModelSource) -> Tokenizer:
@@ -135,9 +161,17 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
                  f"output {settings.profile.output}")
     log.info(f"KV cache: {engine.ready.num_blocks} blocks of {cfg.cache.block_size} tokens")
     log.info(f"Shutdown timeout: {settings.shutdown_timeout:g} s")
+    admission, limits, edge = cfg.admission, settings.http, settings.edge
+    log.info(f"Bounds: queue {admission.max_queue_len or 'unbounded'}, request timeout "
+             f"{f'{admission.request_timeout:g} s' if admission.request_timeout else 'none'}, body "
+             f"{limits.max_request_bytes} bytes; worker restart {'on' if cfg.restart_worker else 'off'}")
+    log.info(f"Access: {len(edge.api_keys)} API key(s)"
+             f"{', metrics need a key' if edge.metrics_require_auth else ''}; CORS "
+             f"{', '.join(edge.allowed_origins) or 'off'}")
 
 
-async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.Namespace) -> int:
+async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.Namespace,
+                listening: socket.socket) -> int:
     engine = _new_engine(settings, tokenizer)
     signals = ShutdownSignals(on_force=engine.kill)
     await _start_engine(engine)
@@ -147,15 +181,13 @@ async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.N
     handlers = Handlers(engine, settings.served_name, settings.defaults, settings.parsers,
                         settings.responses_store_size)
     ops = Ops(engine, _profiler(settings, engine))
-    app = build_app(handlers)
+    app = build_app(handlers, settings.http)
     ops.install(app)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    install_edge(app, settings.edge, ops.http_metrics)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                       keepalive_timeout=settings.http.keepalive_timeout)
     await runner.setup()
-    try:
-        await web.TCPSite(runner, settings.host, settings.port).start()
-    except OSError as exc:
-        await engine.shutdown()
-        return _fail(args, f"cannot listen on {settings.host}:{settings.port}: {exc}", 1)
+    await web.SockSite(runner, listening).start()
     endpoints = [f"{r.method} {r.path}" for r in handlers.routes()] + ops.endpoints()
     _startup_summary(settings, engine, endpoints)
     log.info("Application startup complete")

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pypto_serving.actors.engine import CacheConfig, EngineConfig
+from pypto_serving.actors.engine import Admission, CacheConfig, EngineConfig
 from pypto_serving.actors.request import RequestLimits
 from pypto_serving.app.model_source import ModelSource
 from pypto_serving.core.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
 from pypto_serving.core.scheduler import SchedulerConfig
+from pypto_serving.http.edge import EdgeConfig, load_api_keys
 from pypto_serving.http.protocol import ModelParsers
+from pypto_serving.http.server import HttpLimits
 from pypto_serving.messages.worker import (
     ActivationQuantization,
     BackendName,
@@ -58,6 +61,8 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     parsers: ModelParsers = ModelParsers()
     responses_store_size: int = 1000  # /v1/responses kept for previous_response_id
+    http: HttpLimits = HttpLimits()
+    edge: EdgeConfig = EdgeConfig()
 
 
 def _torch_has_cuda() -> bool:
@@ -118,8 +123,18 @@ def _profile(args: argparse.Namespace) -> ProfileConfig | None:
         if given:
             raise FlagError(f"{' and '.join(given)} need --profile")
         return None
-    return ProfileConfig(str(Path(args.profile_output or "profile_out").absolute()),
-                         tuple(args.profile_level or DEFAULT_LEVELS))
+    output = Path(args.profile_output or "profile_out").absolute()
+    check_writable_dir(output, "--profile-output")
+    return ProfileConfig(str(output), tuple(args.profile_level or DEFAULT_LEVELS))
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A directory this process can write, or can create: found out now, not after the load."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise FlagError(f"{flag} {path}: {existing} is not a directory")
+    if existing is None or not os.access(existing, os.W_OK | os.X_OK):
+        raise FlagError(f"{flag} {path}: {existing or path} is not writable")
 
 
 def _quantization(args: argparse.Namespace, backend: str) -> str:
@@ -153,6 +168,13 @@ def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], Generat
         raise FlagError("--gpu-memory-utilization must be in (0, 1]")
     if not 0 < args.port < 65536:
         raise FlagError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_queue_len is not None and args.max_queue_len < 0:
+        raise FlagError(f"--max-queue-len must be 0 (no bound) or more, got {args.max_queue_len}")
+    if args.max_request_bytes < 1:
+        raise FlagError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes}")
+    if args.metrics_require_auth and not args.api_key:
+        raise FlagError("--metrics-require-auth needs --api-key")
+    edge_config(args)  # an unreadable key file fails now
     if args.enable_auto_tool_choice and args.tool_call_parser == "none":
         raise FlagError("--enable-auto-tool-choice needs a tool-call parser: drop "
                         "--tool-call-parser none (the model family picks one)")
@@ -173,11 +195,52 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
     block_size = args.block_size or _BLOCK_SIZES[backend]
     worker = _worker(args, source, backend, devices, block_size)
     engine = EngineConfig(worker, _scheduler(args), CacheConfig(block_size, args.enable_prefix_caching),
-                          RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len))
+                          RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len),
+                          _admission(args), args.restart_worker, args.log_requests, args.max_log_len)
     return ServerSettings(engine, defaults, args.served_model_name or source.default_name, backend,
                           args.platform, devices, args.host, args.port, _profile(args),
                           args.shutdown_timeout, _parsers(args, source.arch.family),
-                          args.responses_store_size)
+                          args.responses_store_size, _http_limits(args), edge_config(args))
+
+
+def _admission(args: argparse.Namespace) -> Admission:
+    """--max-queue-len: 4 running batches' worth by default, 0 for no bound."""
+    queue = 4 * args.max_num_seqs if args.max_queue_len is None else args.max_queue_len
+    return Admission(queue or None, args.request_timeout or None)
+
+
+def edge_config(args: argparse.Namespace) -> EdgeConfig:
+    try:
+        keys = load_api_keys(args.api_key or ())
+    except ValueError as exc:
+        raise FlagError(f"--api-key: {exc}") from None
+    origins = _origins(args.allowed_origins)
+    try:
+        return EdgeConfig(keys, args.metrics_require_auth, origins)
+    except ValueError as exc:
+        flag = "--api-key" if "API key" in str(exc) else "--allowed-origins"
+        raise FlagError(f"{flag}: {exc}") from None
+
+
+def _origins(value: str | None) -> tuple[str, ...]:
+    """A comma list, or vLLM's JSON list (`["*"]`, its default, means any origin there)."""
+    if value is None:
+        return ()
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise FlagError(f"--allowed-origins: not a JSON list: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise FlagError("--allowed-origins: a JSON list must hold strings")
+        return tuple(items)
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _http_limits(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(args.max_request_bytes, args.request_body_timeout or None,
+                      args.keep_alive_timeout)
 
 
 def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices: tuple[int, ...],

@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from pypto_serving.backends import heap
 from pypto_serving.backends.cpu_stack import DecoderStack
 from pypto_serving.backends.portable import KVCache, PortableBackend, StackRunner
 from pypto_serving.kernels import cpu
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import QuantKernels
+from pypto_serving.process import heap
 
 TRIM_INTERVAL_S = 2.0  # the heap goes back to the OS at most this often while serving
 

@@ -14,7 +14,8 @@ final status of every request (404/405 JSON answers, 503 while draining included
    prepared (a stream), what its writer sent so far, headers and chunk framing included (as
    aiohttp's `body_length`). A client gone mid-response (the handler cancelled, or a write
    raising `ConnectionError` on a closing transport) is status 499 (nginx's "client closed
-   request") at INFO, not aiohttp's ERROR traceback.
+   request") at INFO, not aiohttp's ERROR traceback. Answered polls of /health and /metrics
+   are logged at DEBUG (a scraper every few seconds is noise); their failures at INFO.
 2. `preflight` (only with `allowed_origins`): a CORS preflight (`OPTIONS` with
    `Access-Control-Request-Method`) on any path is answered 204 here, before any key check;
    403 when its origin is not allowed.
@@ -59,6 +60,7 @@ REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") els
 CLIENT_CLOSED = 499
 OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json"})
 METRICS_PATHS = frozenset({"/metrics", "/metrics/json"})
+SCRAPED_PATHS = METRICS_PATHS | {"/health"}  # logged at DEBUG when they succeed
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 ALLOW_METHODS = "GET, HEAD, POST, OPTIONS"
 DEFAULT_ALLOW_HEADERS = f"Authorization, Content-Type, {REQUEST_ID_HEADER}"
@@ -187,10 +189,14 @@ class _Edge:
     def _record(self, request: web.Request, status: int, response: web.StreamResponse | None,
                 seconds: float) -> None:
         method = request.method if request.method in METHODS else "other"
-        self.metrics.observe(method, route_path(request), status, seconds)
-        log.info("http request", method=request.method, path=request.path, status=status,
-                 bytes=_bytes_sent(request, response), duration_ms=round(seconds * 1000, 3),
-                 request_id=request[REQUEST_ID], client=request.remote)
+        path = route_path(request)
+        self.metrics.observe(method, path, status, seconds)
+        # a scraper's or a load balancer's answered poll every few seconds is noise at INFO
+        polled = path in SCRAPED_PATHS and status < 400
+        (log.debug if polled else log.info)(
+            "http request", method=request.method, path=request.path, status=status,
+            bytes=_bytes_sent(request, response), duration_ms=round(seconds * 1000, 3),
+            request_id=request[REQUEST_ID], client=request.remote)
 
     @web.middleware
     async def preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -14,11 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pypto_serving.actors.engine import Engine
 from pypto_serving.http.render import error_body
+from pypto_serving.telemetry.http_metrics import HttpMetrics
 from pypto_serving.telemetry.metrics import render_families
 from pypto_serving.telemetry.profiling import ProfileError, Profiler, clock_us
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # still answered while draining: scrapers and the profile may outlive the last request
+DRAIN_RETRY_AFTER_S = 5  # a draining server is about to go: another instance may answer
 _OPS_PATHS = frozenset({"/metrics", "/metrics/json", "/start_profile", "/stop_profile"})
 
 
@@ -27,9 +29,10 @@ def _json(body: object, status: int = 200) -> web.Response:
 
 
 class Ops:
-    def __init__(self, engine: Engine, profiler: Profiler | None):
+    def __init__(self, engine: Engine, profiler: Profiler | None, http_metrics: HttpMetrics | None = None):
         self.engine = engine
         self.profiler = profiler
+        self.http_metrics = http_metrics or HttpMetrics()  # the edge's (http/edge.py)
         self.draining = False
 
     def install(self, app: web.Application) -> None:
@@ -47,12 +50,13 @@ class Ops:
         return routes
 
     async def metrics(self, request: web.Request) -> web.Response:
-        families = self.engine.metrics.families()  # read here: the actors run on this loop
+        # read here: the actors run on this loop
+        families = self.engine.metrics.families() + self.http_metrics.families()
         body = await asyncio.get_running_loop().run_in_executor(None, render_families, families)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def metrics_json(self, request: web.Request) -> web.Response:
-        return _json(self.engine.metrics.snapshot())
+        return _json({**self.engine.metrics.snapshot(), "http": self.http_metrics.snapshot()})
 
     async def start_profile(self, request: web.Request) -> web.Response:
         try:
@@ -94,6 +98,8 @@ class Ops:
 
 def _unavailable(request: web.Request) -> web.Response:
     message = "the server is shutting down"
-    if request.path == "/health":
-        return _json({"status": "error", "reason": message}, 503)
-    return _json(error_body(message, kind="unavailable", code=503), 503)
+    body = {"status": "error", "reason": message} if request.path == "/health" else \
+        error_body(message, kind="unavailable", code=503)
+    response = _json(body, 503)
+    response.headers["Retry-After"] = str(DRAIN_RETRY_AFTER_S)
+    return response

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pypto_serving.core.request import Candidate, Finished, TextDelta, TokenLogprob
+from pypto_serving.core.request import TIMEOUT, Candidate, Finished, TextDelta, TokenLogprob
 from pypto_serving.http import responses as r
 from pypto_serving.parsers.tool_calls import ToolCall, ToolCallDelta
 
@@ -186,6 +186,11 @@ def _tool_call_chunks(deltas: Sequence[ToolCallDelta]) -> list[r.ToolCallChunk]:
 
 def stream_error(message: str, kind: str, code: int = 400) -> r.StreamErrorEvent:
     return r.StreamErrorEvent(r.StreamError(message, kind, code))
+
+
+def engine_error(done: Finished) -> tuple[str, int]:
+    """The error type and HTTP status of a finish with `error`: 504 when it timed out."""
+    return ("timeout", 504) if done.error_type == TIMEOUT else ("engine_error", 500)
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",

@@ -24,7 +24,7 @@ from pypto_serving.core.generate_config import GenerateDefaults
 from pypto_serving.core.request import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
 from pypto_serving.http import bodies, protocol
 from pypto_serving.http.choices import ChoiceStreams
-from pypto_serving.http.render import error_body, json_response
+from pypto_serving.http.render import engine_error, error_body, json_response
 
 # -- the request -----------------------------------------------------------------------
 
@@ -416,7 +416,8 @@ class ResponsesEndpoint:
         if done.error_type == INVALID_MODEL_OUTPUT:
             return json_response(error_body(done.error, kind=INVALID_MODEL_OUTPUT), 400)
         if done.finish_reason == "error":
-            return json_response(error_body(done.error or "engine error", kind="engine_error", code=500), 500)
+            kind, status = engine_error(done)
+            return json_response(error_body(done.error or "engine error", kind=kind, code=status), status)
         self._keep(builder, history)
         return json_response(builder.response())
 
@@ -433,6 +434,15 @@ class ResponsesEndpoint:
         async def send(kind: str, payload: dict[str, Any]) -> None:
             await response.write(f"event: {kind}\ndata: ".encode() + msgspec.json.encode(payload) + b"\n\n")
 
+        try:
+            await self._stream_events(send, choices, builder, history)
+        except ConnectionResetError:  # the client went away: the choice is aborted on close
+            return response
+        await response.write_eof()
+        return response
+
+    async def _stream_events(self, send, choices: ChoiceStreams, builder: ResponseBuilder,
+                             history: list[dict[str, Any]]) -> None:
         events = EventWriter(send, builder)
         await events.start()
         async for _, event in choices.events():
@@ -441,11 +451,9 @@ class ResponsesEndpoint:
                 await events.delta(event)
         done = builder.done
         if done.finish_reason == "error" or done.error_type == INVALID_MODEL_OUTPUT:
-            kind = INVALID_MODEL_OUTPUT if done.error_type == INVALID_MODEL_OUTPUT else "engine_error"
+            kind = INVALID_MODEL_OUTPUT if done.error_type == INVALID_MODEL_OUTPUT else engine_error(done)[0]
             await send("error", {"type": "error", "sequence_number": events.sequence,
                                  "message": done.error or "engine error", "code": kind})
         else:
             await events.finish()
             self._keep(builder, history)
-        await response.write_eof()
-        return response

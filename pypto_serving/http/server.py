@@ -6,12 +6,16 @@ render the engine's events.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import importlib.metadata
 import time
+from dataclasses import dataclass
 
 import msgspec
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from pypto_serving.actors.engine import Engine
 from pypto_serving.core.generate_config import GenerateDefaults
@@ -19,6 +23,7 @@ from pypto_serving.core.request import (
     INVALID_MODEL_OUTPUT,
     Finished,
     InvalidRequest,
+    Refused,
     TextDelta,
     check_token_ids,
 )
@@ -26,8 +31,17 @@ from pypto_serving.http import bodies, protocol
 from pypto_serving.http import responses as r
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
 from pypto_serving.http.openapi import openapi_json
-from pypto_serving.http.render import Choice, Renderer, error_body, json_response, stream_error
+from pypto_serving.http.render import (
+    Choice,
+    Renderer,
+    engine_error,
+    error_body,
+    json_response,
+    stream_error,
+)
 from pypto_serving.http.responses_api import ResponsesEndpoint
+from pypto_serving.process.heap import trim_freed_memory
+from pypto_serving.telemetry.metrics import EngineMetrics
 from pypto_serving.tokenizer.chat_template import ChatTemplateError
 
 log = structlog.get_logger()
@@ -81,7 +95,7 @@ class Handlers:
         try:
             body = protocol.decode_body(await request.read(), bodies.TokenizeBody)
             prompt, special = protocol.parse_tokenize(body)
-            _, ids = await self.engine.tokenizer_actor.encode(prompt, special)
+            _, ids = await self.engine.tokenizer_actor.encode(prompt, special, bounded=False)
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
         except (ChatTemplateError, ValueError, TypeError, RecursionError) as exc:
@@ -147,8 +161,9 @@ class Handlers:
         if malformed:
             return json_response(error_body(malformed[0].error, kind=INVALID_MODEL_OUTPUT), 400)
         if all(c.done.finish_reason == "error" and not "".join(c.text) for c in results):
+            kind, status = engine_error(results[0].done)
             return json_response(error_body(results[0].done.error or "engine error",
-                                            kind="engine_error", code=500), 500)
+                                            kind=kind, code=status), status)
         return json_response(renderer.full(results))
 
     async def _stream(self, request: web.Request, choices: ChoiceStreams, renderer: Renderer,
@@ -156,6 +171,14 @@ class Handlers:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
+        try:
+            await self._stream_events(response, choices, renderer, final_usage)
+        except ConnectionResetError:  # the client went away: its choices are aborted on close
+            return response
+        return response
+
+    async def _stream_events(self, response: web.StreamResponse, choices: ChoiceStreams,
+                             renderer: Renderer, final_usage: bool) -> None:
         n = len(choices)
         if renderer.chat:
             for index in range(n):
@@ -182,29 +205,121 @@ class Handlers:
                         index, logprobs=held[index], finish_reason=event.finish_reason)))
                     if event.finish_reason == "error":  # the engine's reason, as an event
                         await response.write(_sse(stream_error(event.error or "engine error",
-                                                               "engine_error", 500)))
+                                                               *engine_error(event))))
         else:
             if final_usage:
                 await response.write(_sse(renderer.usage_chunk(dones)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
 
 
 @web.middleware
 async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
-    """Unknown paths and wrong methods get the same JSON error shape as bad bodies."""
+    """Unknown paths, wrong methods and refused requests get the same JSON error shape as
+    bad bodies; a 405 says which methods the path has."""
     try:
         return await handler(request)
+    except Refused as exc:
+        response = json_response(error_body(exc.message, kind=exc.kind, code=exc.status), exc.status)
+        if exc.retry_after is not None:
+            response.headers["Retry-After"] = str(exc.retry_after)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return json_response(error_body(f"{request.method} {request.path}: {exc.reason}",
-                                        kind="not_found" if exc.status == 404 else "http_error",
-                                        code=exc.status), exc.status)
+        response = json_response(error_body(f"{request.method} {request.path}: {exc.reason}",
+                                            kind="not_found" if exc.status == 404 else "http_error",
+                                            code=exc.status), exc.status)
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            response.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return response
 
 
-def build_app(handlers: Handlers) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=64 * 1024 * 1024)
+BIG_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    max_request_bytes: int = 8 << 20  # larger bodies get 413 before they are read
+    body_timeout: float | None = 30.0  # seconds a request's body may take to arrive (then 408)
+    keepalive_timeout: float = 15.0  # an idle connection, or one still sending headers, closes
+
+
+def bounded_bodies(limits: HttpLimits, metrics: EngineMetrics | None = None) -> web.middleware:
+    """Reads every body before its handler runs, within `limits`: a body declared or found
+    larger than `max_request_bytes` gets 413 unread, one that does not arrive within
+    `body_timeout` gets 408; both close the connection. Handlers then read it from memory."""
+    @web.middleware
+    async def read_body(request: web.Request, handler) -> web.StreamResponse:
+        if not request.body_exists:
+            return await handler(request)
+        size = request.content_length
+        try:
+            if size is not None and size > limits.max_request_bytes:
+                raise web.HTTPRequestEntityTooLarge(limits.max_request_bytes, size)
+            await asyncio.wait_for(request.read(), limits.body_timeout)
+        except web.HTTPRequestEntityTooLarge:
+            if metrics is not None:
+                metrics.rejected("body_too_large")
+            declared = f"has {size} bytes" if size is not None else "is larger than that"
+            return _closing(413, f"the request body {declared}: at most {limits.max_request_bytes} "
+                                 "bytes are accepted (--max-request-bytes)", "request_too_large")
+        except TimeoutError:
+            return _closing(408, f"the request body did not arrive within {limits.body_timeout:g} s",
+                            "request_timeout")
+        try:
+            return await handler(request)
+        finally:
+            if size is not None and size >= BIG_BODY_BYTES:
+                # Its copies (bytes, decoded text, a rejected request's traceback frames) sit in
+                # reference cycles until the collector runs; run it now, so their megabytes go
+                # back to the OS with this request rather than some requests later.
+                gc.collect()
+                trim_freed_memory()  # and the heap's free pages between live blocks too
+
+    return read_body
+
+
+def _closing(status: int, message: str, kind: str) -> web.Response:
+    response = json_response(error_body(message, kind=kind, code=status), status)
+    response.force_close()  # the rest of the body is never read
+    return response
+
+
+def build_app(handlers: Handlers, limits: HttpLimits = HttpLimits()) -> web.Application:
+    metrics = handlers.engine.metrics
+    app = web.Application(middlewares=[errors_as_json, bounded_bodies(limits, metrics)],
+                          client_max_size=limits.max_request_bytes)
     app.add_routes(handlers.routes())
     return app
+
+
+class _JsonErrorProtocol(RequestHandler):
+    """aiohttp's connection handler, answering malformed HTTP with the JSON error shape (and
+    a line at INFO: a client's garbage is not this server's error)."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status == 500 or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        log.info("malformed HTTP request", status=status, error=message or str(exc),
+                 client=request.remote)
+        text = f"malformed HTTP request: {message or exc or 'cannot parse it'}"
+        return _closing(status, text, "invalid_request_error")
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorProtocol(self, loop=self._loop, **self._kwargs)
+
+
+class AppRunner(web.AppRunner):
+    """web.AppRunner whose connections answer malformed HTTP in JSON (`_JsonErrorProtocol`)."""
+
+    async def _make_server(self) -> web.Server:
+        app, loop = self.app, asyncio.get_running_loop()
+        app._set_loop(loop)
+        app.on_startup.freeze()
+        await app.startup()
+        app.freeze()
+        return _Server(app._handle, request_factory=app._make_request, loop=loop, **self._kwargs)

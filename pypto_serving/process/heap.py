@@ -1,4 +1,5 @@
-"""How the CPU worker's glibc heap keeps or returns freed memory (the cpu backend's policy)."""
+"""How a process's glibc heap keeps or returns freed memory: the API process returns big freed
+blocks (request bodies); the cpu backend's worker keeps a step's activations for the next."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def release_freed_memory() -> None:
-    """Loading: makes glibc give large freed blocks back to the OS.
+    """Makes glibc give large freed blocks back to the OS (the API process for good: a
+    megabyte request body must not stay resident after its request; the worker while it loads).
 
     Loading dequantizes and packs tensor after tensor; glibc's dynamic mmap threshold would
     keep those freed megabytes in the heap, and the worker's resident memory would stay

@@ -19,7 +19,7 @@ from pypto_serving.worker import main as device_worker
 
 FAULTS = textwrap.dedent("""
     import ctypes, resource, sys
-    from pypto_serving.backends import heap
+    from pypto_serving.process import heap
     getattr(heap, sys.argv[1])()
     libc = heap._glibc()
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

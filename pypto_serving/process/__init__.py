@@ -1,0 +1,2 @@
+"""What a process does to itself, shared by the API process and the device workers: how its
+glibc heap keeps or returns freed memory (heap.py)."""
