@@ -7,6 +7,7 @@ render the engine's events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import importlib.metadata
 import time
@@ -30,6 +31,7 @@ from pypto_serving.core.request import (
 from pypto_serving.http import bodies, protocol
 from pypto_serving.http import responses as r
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
+from pypto_serving.http.edge import REQUEST_ID
 from pypto_serving.http.openapi import openapi_json
 from pypto_serving.http.render import (
     Choice,
@@ -129,6 +131,7 @@ class Handlers:
                 parsed = protocol.parse_completion(body, self.defaults)
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
+        parsed = _with_request_id(parsed, request)
         gen = parsed.request
         self.engine.metrics.observe("request_params_n", parsed.n)
         renderer = Renderer(gen.request_id, body.model or self.served_name, chat, gen.sampling.logprobs,
@@ -211,6 +214,17 @@ class Handlers:
                 await response.write(_sse(renderer.usage_chunk(dones)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+
+
+def _with_request_id(parsed: protocol.Parsed, request: web.Request) -> protocol.Parsed:
+    """The edge's request id (the client's X-Request-Id, or a fresh one) in the response id
+    and the engine's log lines, as vLLM does: `cmpl-<X-Request-Id>`."""
+    rid = request.get(REQUEST_ID)
+    if rid is None:  # an app without the edge (tests)
+        return parsed
+    prefix = parsed.request.request_id.split("-", 1)[0]
+    gen = dataclasses.replace(parsed.request, request_id=f"{prefix}-{rid}")
+    return dataclasses.replace(parsed, request=gen)
 
 
 @web.middleware
