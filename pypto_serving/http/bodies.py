@@ -10,9 +10,11 @@ refused with a 400 instead of silently ignored.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
+import msgspec.inspect as mi
 from msgspec import UNSET, Meta, UnsetType
 
 from pypto_serving.core.generate_config import MAX_STOP_LENGTH, MAX_STOP_STRINGS
@@ -20,10 +22,22 @@ from pypto_serving.core.generate_config import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 MAX_CHOICES = 16
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+# Names a chat template reads from request fields of their own: not chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
 
-Positive = Annotated[int, Meta(ge=1)]
-NonNegative = Annotated[int, Meta(ge=0)]
-Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+def whole(**bounds: int) -> Any:
+    """An integer field. JSON Schema's `integer` includes 13.0, so a whole float is taken too
+    (vLLM's pydantic takes it as well) and `ints` turns it into the int it spells; 13.5 and
+    "13" are refused. /openapi.json shows the pair as one `integer`."""
+    return Annotated[int, Meta(**bounds)] | Annotated[float, Meta(multiple_of=1, **bounds)]
+
+
+Positive = whole(ge=1)
+NonNegative = whole(ge=0)
+Int64 = whole(ge=-(2**63), le=2**63 - 1)
+Choices = whole(ge=1, le=MAX_CHOICES)
+LogprobCount = whole(ge=0, le=MAX_LOGPROBS)
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
 StopList = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
@@ -46,7 +60,7 @@ class Unimplemented(msgspec.Struct, kw_only=True):
     """Known options this server does not implement; see UNIMPLEMENTED_DEFAULTS."""
 
     echo: Any = None
-    best_of: Any = None
+    best_of: Choices | None = None  # must equal n
     logit_bias: Any = None
     use_beam_search: Any = None
     include_stop_str_in_output: Any = None
@@ -92,7 +106,7 @@ class GenerateFields(Unimplemented, kw_only=True):
     stop: StopString | StopList | None | UnsetType = UNSET
     stop_token_ids: TokenIdList | None = None
     min_tokens: NonNegative | None = None
-    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
+    n: Choices | None = None
     stream: bool | None | UnsetType = UNSET
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -102,8 +116,8 @@ class GenerateFields(Unimplemented, kw_only=True):
 class CompletionBody(GenerateFields, kw_only=True):
     """POST /v1/completions. EOS never ends a text completion."""
 
-    prompt: str | list[NonNegative | str] = ""
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt: str | list[NonNegative | str] = ""  # strings: a batch, refused by name
+    logprobs: LogprobCount | None = None
     suffix: Any = None
 
 
@@ -164,7 +178,7 @@ class ChatBody(GenerateFields, kw_only=True):
     max_completion_tokens: Positive | None = None
     ignore_eos: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: LogprobCount | None = None
     reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -190,7 +204,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[Message] | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -203,6 +217,34 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     tokens: list[NonNegative]
+
+
+def ints(body: msgspec.Struct) -> msgspec.Struct:
+    """`body` with each whole float of a `whole` field (or list of them) as an int."""
+    for name in whole_fields(type(body)):
+        value = getattr(body, name)
+        if isinstance(value, float):
+            setattr(body, name, int(value))
+        elif isinstance(value, list) and float in set(map(type, value)):  # (a C-speed look)
+            setattr(body, name, [int(v) if isinstance(v, float) else v for v in value])
+    return body
+
+
+@functools.cache
+def whole_fields(cls: type) -> tuple[str, ...]:
+    """The fields of Struct `cls` that are `whole` numbers or lists of them."""
+    return tuple(f.name for f in mi.type_info(cls).fields if _takes_whole_floats(f.type))
+
+
+def _takes_whole_floats(t: mi.Type) -> bool:
+    match t:
+        case mi.FloatType(multiple_of=1):
+            return True
+        case mi.UnionType(types=types):
+            return any(_takes_whole_floats(u) for u in types)
+        case mi.ListType(item_type=item):
+            return _takes_whole_floats(item)
+    return False
 
 
 # Values an unimplemented field may take: the defaults, which ask for nothing we lack.

@@ -9,6 +9,7 @@ not implement. Every failure is an `InvalidRequest` naming the field and what is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import uuid
@@ -24,6 +25,7 @@ from pypto_serving.core.request import ChatInput, GenerateRequest, InvalidReques
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.http.bodies import (
     REASONING_EFFORTS,
+    RESERVED_TEMPLATE_KWARGS,
     ROLES,
     UNIMPLEMENTED_DEFAULTS,
     ChatBody,
@@ -32,6 +34,8 @@ from pypto_serving.http.bodies import (
     Message,
     NamedToolChoice,
     TokenizeBody,
+    ints,
+    whole_fields,
 )
 from pypto_serving.http.bodies import ToolCall as MessageToolCall
 from pypto_serving.parsers.grammar import response_format_grammar, tool_choice_grammar
@@ -39,11 +43,16 @@ from pypto_serving.parsers.reasoning import ReasoningFormat
 from pypto_serving.parsers.reply import ReplyFormat
 from pypto_serving.parsers.tool_calls import ToolParser
 
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
 # Below this a temperature only amplifies float noise: it is treated as greedy (as vLLM does).
 GREEDY_BELOW = 1e-5
 # Any top_k at least this large keeps the whole vocabulary; the cap keeps it an int64.
 TOP_K_CAP = 1 << 30
+# Nesting levels a body may have, its own object included: a tool or a response_format schema
+# needs a dozen, and deeper input would reach msgspec's, Jinja's or llguidance's recursion.
+MAX_JSON_DEPTH = 64
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_STEP = [1 if b in b"[{" else -1 for b in range(256)]
 _ENUMS = {"role": ROLES, "reasoning_effort": REASONING_EFFORTS,
           "tool_choice": ("none", "auto", "required", "an object"), "type": ("function",),
           "response_format.type": ("text", "json_object", "json_schema")}
@@ -71,12 +80,60 @@ class Parsed:
 
 
 def decode_body(raw: bytes, body_type: type) -> Any:
+    """The one way handlers decode a body; every failure is an InvalidRequest."""
+    _check_depth(raw)
     try:
-        return msgspec.json.decode(raw, type=body_type)
+        return ints(msgspec.json.decode(raw, type=body_type))
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"invalid request: {_explain(str(exc))}", _field_of(str(exc))) from None
+        message = str(exc)
+        raise InvalidRequest(f"invalid request: {_explain(message, body_type)}", _field_of(message)) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the bound above leaves room, but never a 500
+        raise InvalidRequest("the request body is nested too deeply to decode") from None
+
+
+def _check_depth(raw: bytes) -> None:
+    """Refuses nesting deeper than MAX_JSON_DEPTH before anything recursive reads the body.
+    Every step runs in C (bytes.replace, split, translate), so a prompt of megabytes costs a
+    few copies, not a Python step per byte: the escaped backslashes and quotes go, then the
+    strings (every other piece between quotes), then all but the brackets."""
+    if len(raw.translate(None, _NOT_BRACKET)) <= 2 * MAX_JSON_DEPTH:  # too few to nest that deep
+        return
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[::2]).translate(None, _NOT_BRACKET)
+    if max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) > MAX_JSON_DEPTH:
+        field = _deep_field(raw)
+        where = f"'{field}'" if field else "the request body"
+        raise InvalidRequest(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep (the "
+                             "body's own object counts as one): flatten it", field)
+
+
+def _deep_field(raw: bytes) -> str | None:
+    """The top-level key under which the nesting first goes too deep (on the error path only:
+    a Python step per string and bracket)."""
+    depth, key, field = 0, None, None
+    for match in _TOKEN.finditer(raw):
+        token = match.group()
+        if token[:1] == b'"':
+            key = token if depth == 1 and key is not None else key
+            continue
+        opens = token in b"[{"
+        depth += 1 if opens else -1
+        if depth == 1 and opens:
+            key = b"" if token == b"{" else None  # an array body has no keys
+        elif depth == 2 and opens:  # a value: the last string seen at depth 1 was its key
+            field = _key(key)
+        elif depth > MAX_JSON_DEPTH:
+            return field
+    return None
+
+
+def _key(token: bytes | None) -> str | None:
+    try:
+        return json.loads(token) if token else None
+    except ValueError:
+        return None
 
 
 def _path(message: str) -> list[str]:
@@ -90,9 +147,14 @@ def _field_of(message: str) -> str | None:
     return names[0] if names else None
 
 
-def _explain(message: str) -> str:
-    # msgspec names the field of a bad enum value but not the values it allows.
+def _explain(message: str, body_type: type) -> str:
     names = _path(message)
+    # An integer field is int | whole float (bodies.whole); the client need not hear of that.
+    if names and names[0] in whole_fields(body_type):
+        message = message.replace("`float` that's a multiple of 1.0", "an integer")
+        message = re.sub(r"`float` ([<>]=?) (-?\d+)\.0\b", r"`int` \1 \2", message)
+        message = message.replace("`int | float", "`int")
+    # msgspec names the field of a bad enum value but not the values it allows.
     enum = names and message.startswith("Invalid enum value")
     allowed = _ENUMS.get(".".join(names[-2:]), _ENUMS.get(names[-1])) if enum else None
     return message if allowed is None else f"{message}; allowed: {', '.join(allowed)}"
@@ -122,10 +184,16 @@ def _check_options(body: GenerateFields, defaults: GenerateDefaults) -> dict[str
 
 def _refuse_unimplemented(body: GenerateFields) -> None:
     for field, allowed in UNIMPLEMENTED_DEFAULTS.items():
-        if field != "best_of" and getattr(body, field, None) not in allowed:
+        value = getattr(body, field, None)
+        if field != "best_of" and not any(_same(value, a) for a in allowed):
             default = msgspec.json.encode(allowed[-1]).decode()
             raise InvalidRequest(f"'{field}' is not supported by this server; remove it or set "
                                  f"it to {default}", field)
+
+
+def _same(value: Any, default: Any) -> bool:
+    """JSON equality, as /openapi.json's enum of the defaults means it: 1.0 is 1, 0 is not false."""
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
 
 
 def _wants_stream(body: GenerateFields, defaults: GenerateDefaults) -> bool:
@@ -230,7 +298,7 @@ def parse_tokenize(body: TokenizeBody) -> tuple[str | ChatInput, bool | None]:
     if body.prompt is not None:
         return body.prompt, body.add_special_tokens
     tools = tuple(msgspec.to_builtins(t) for t in body.tools or ()) or None
-    chat = ChatInput(_messages(body.messages), tools, dict(body.chat_template_kwargs or {}),
+    chat = ChatInput(_messages(body.messages), tools, _checked_kwargs(body.chat_template_kwargs),
                      body.add_generation_prompt)
     return chat, body.add_special_tokens
 
@@ -280,12 +348,17 @@ def _forced_call(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str]
     return tool_choice_grammar(tools, name), "tool_choice"
 
 
-def _template_kwargs(body: ChatBody) -> dict[str, Any]:
-    kwargs = dict(body.chat_template_kwargs or {})
+def _checked_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
+    kwargs = dict(given or {})
     reserved = RESERVED_TEMPLATE_KWARGS & set(kwargs)
     if reserved:
         raise InvalidRequest(f"'chat_template_kwargs' must not set {', '.join(sorted(reserved))}: "
                              "use the request fields of the same name", "chat_template_kwargs")
+    return kwargs
+
+
+def _template_kwargs(body: ChatBody) -> dict[str, Any]:
+    kwargs = _checked_kwargs(body.chat_template_kwargs)
     if body.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         if body.reasoning_effort == "none":  # Qwen3-style templates read enable_thinking

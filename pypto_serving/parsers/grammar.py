@@ -35,9 +35,15 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
 
 
 def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    """The bare-JSON call the Hermes parser accepts: {"name": ..., "arguments": {...}}."""
+    """The bare-JSON call the Hermes parser accepts: {"name": ..., "arguments": {...}}.
+
+    The parameters schema moves down to `properties.arguments`, where its local references
+    ("#/$defs/Location", pydantic's habit, or "#") would resolve against the wrapper instead:
+    a `$id` makes it a schema resource of its own, so they still resolve inside it, and two
+    tools' same-named `$defs` stay apart (tool names are unique and URN-safe)."""
     function = tool["function"]
     params = function.get("parameters") or {"type": "object"}
+    params = {"$id": f"urn:pypto-serving:tool:{function['name']}", **params}  # its own $id wins
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
@@ -46,10 +52,10 @@ def tool_choice_grammar(tools: list[dict[str, Any]], forced: str | None) -> str:
     """`forced` names one tool, or None for "required" (any declared tool)."""
     chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
     schemas = [tool_call_schema(t) for t in chosen]
-    return _json_grammar(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    return _json_grammar(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, "tool_choice")
 
 
-def _json_grammar(schema: dict[str, Any]) -> str:
+def _json_grammar(schema: dict[str, Any], param: str = "response_format") -> str:
     """One-line JSON (`{"a": 1, "b": 2}`) unless the schema's x-guidance says otherwise: with
     free whitespace a small model can pad with spaces and newlines until max_tokens."""
     options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
@@ -59,7 +65,7 @@ def _json_grammar(schema: dict[str, Any]) -> str:
     try:
         return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": options}))
     except (ValueError, TypeError) as exc:
-        raise InvalidRequest(f"the JSON schema cannot be used: {exc}", "response_format") from None
+        raise InvalidRequest(f"the JSON schema cannot be used: {exc}", param) from None
 
 
 class GrammarChecker:
