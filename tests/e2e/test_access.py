@@ -55,7 +55,8 @@ def test_keys_guard_the_api_but_not_health_or_metrics(keyed: ServerProcess):
     missing = httpx.post(keyed.url + "/v1/completions", json=body)
     wrong = httpx.post(keyed.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
     assert missing.status_code == wrong.status_code == 401
-    assert missing.json()["type"] == "authentication_error" and "Bearer" in missing.headers["WWW-Authenticate"]
+    assert missing.json()["type"] == "authentication_error"
+    assert "Bearer" in missing.headers["WWW-Authenticate"]
     assert httpx.post(keyed.url + "/tokenize", json={"prompt": "Hi"}).status_code == 401
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(keyed.url + path).status_code == 200

@@ -154,6 +154,7 @@ async def test_a_big_prompt_is_tokenized_in_its_own_process(srv: ServerProcess):
 
 async def test_a_storm_of_abandoned_streams_settles_and_leaks_nothing(srv: ServerProcess):
     finished = replica(srv.url)["counters"]["requests_finished"]
+    start = len(srv.lines)
 
     async def abandon(session: aiohttp.ClientSession, i: int) -> None:
         body = {"prompt": f"Story number {i}:", "max_tokens": 200, "stream": True}
@@ -168,6 +169,9 @@ async def test_a_storm_of_abandoned_streams_settles_and_leaks_nothing(srv: Serve
     wait_for(lambda: idle(srv.url, finished + 200), timeout=5, what="all 200 aborted and freed")
     r = post(srv.url, {"prompt": "Hi", "max_tokens": 2}, timeout=5)
     assert r.status_code == 200 and time.monotonic() - settled < 5
+    logged = "".join(srv.lines[start:])
+    assert logged.count("request aborted") >= 100  # at INFO, one per stream that had started
+    assert "Traceback" not in logged and "[error" not in logged and "closing transport" not in logged
 
 
 def test_a_killed_worker_is_restarted_and_serves_again(srv: ServerProcess):

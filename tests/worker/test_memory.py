@@ -132,7 +132,8 @@ def test_a_token_in_the_cpu_kv_cache_costs_its_bytes_not_a_huge_page() -> None:
 
 
 def trims_in_five_steps(driver, monkeypatch, interval: float) -> list[int]:
-    from pypto_serving.backends import cpu, heap
+    from pypto_serving.backends import cpu
+    from pypto_serving.process import heap
 
     monkeypatch.setattr(cpu, "TRIM_INTERVAL_S", interval)
     d, _ = driver("llama", quantization="int4")
