@@ -88,6 +88,8 @@ class DeviceWorkerClient:
 
     def _close(self) -> None:
         """The pipe and the pidfd of a worker that is gone."""
+        if self._conn.closed:
+            return
         self._conn.close()
         if self._sentinel is not None:
             os.close(self._sentinel)
@@ -122,6 +124,8 @@ class DeviceWorkerClient:
         self._send(plan)
 
     def _send(self, msg: msgspec.Struct) -> bool:
+        if self._gone or self._stopping:  # its death (or stop) was handled once already
+            return False
         try:
             self._conn.send_bytes(self._encoder.encode(msg))
         except (BrokenPipeError, OSError) as exc:
@@ -170,8 +174,7 @@ class DeviceWorkerClient:
         loop.remove_reader(self._conn.fileno())
         if self._sentinel is not None:
             loop.remove_reader(self._sentinel)
-            os.close(self._sentinel)
-            self._sentinel = None
+        self._close()
         if not self._stopping:
             self._join(0.1)
             device = self.cfg.device.device
@@ -185,6 +188,7 @@ class DeviceWorkerClient:
     async def stop(self, timeout: float = 5.0) -> None:
         """Asks the worker to exit, then makes sure it did."""
         self._stopping = True
+        atexit.unregister(self.kill)
         if not self._alive():
             return
         try:

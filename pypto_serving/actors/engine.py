@@ -178,8 +178,9 @@ class Engine:
             await self._stop_parts()
             try:
                 await self.start()
-            except WorkerStartError as exc:
-                log.error("the device worker could not start again", error=str(exc))
+            except Exception as exc:  # anything: a half-started worker is stopped, and again
+                log.error("the device worker could not start again", error=str(exc),
+                          exc_info=None if isinstance(exc, WorkerStartError) else exc)
                 delay *= 2
                 continue
             self.metrics.worker_restarts += 1
@@ -194,8 +195,7 @@ class Engine:
     @property
     def dead_reason(self) -> str | None:
         """Why the engine cannot serve: engine death, or a stopped actor loop."""
-        if self._dead_reason is not None and self._restart_task is not None \
-                and not self._restart_task.done():
+        if self._dead_reason is not None and self.restarting:
             return f"{self._dead_reason} (restarting)"
         if self._dead_reason is not None or self.scheduler is None:
             return self._dead_reason
@@ -216,21 +216,31 @@ class Engine:
                           "retry later", 503, "overloaded", retry_after=RETRY_AFTER_S)
 
     def _time_out(self, stream: RequestStream, timeout: float) -> None:
-        self.metrics.rejected("timeout")
-        stream.tell(TimedOut(timeout))
+        if stream.seq_id in self._in_flight:  # not one that finished in the same tick
+            self.metrics.rejected("timeout")
+            stream.tell(TimedOut(timeout))
+
+    @property
+    def restarting(self) -> bool:
+        return self._restart_task is not None and not self._restart_task.done()
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        return self._observed(request)
+
+    async def _observed(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Admission and the actors are looked at when the caller first asks for an event
+        (a restart may have replaced the actors since `generate`)."""
+        if self._dead_reason is not None and self.restarting:
+            raise Refused(f"the engine is restarting after: {self._dead_reason}", 503, "unavailable",
+                          retry_after=RETRY_AFTER_S)
+        self._admit()
         seq_id = next(self._seq_ids)
         stream = RequestStream(request, seq_id, self.tokenizer, self.tokenizer_actor,
                                self.scheduler, self.config.limits, self.grammars)
         observer = RequestObserver(request.request_id, self.metrics, self.recorder, request.max_tokens)
         if self.config.log_requests:
             observer.log_content(request.prompt, self.config.max_log_len)
-        return self._observed(stream, observer)
-
-    async def _observed(self, stream: RequestStream, observer: RequestObserver) -> AsyncIterator[Event]:
-        seq_id, events = stream.seq_id, stream.events()
-        self._admit()
+        events = stream.events()
         self._in_flight[seq_id] = stream
         self._idle.clear()
         if self._dead_reason is not None:  # ends before the (maybe broken) actors see it

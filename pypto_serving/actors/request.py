@@ -46,6 +46,7 @@ from pypto_serving.messages.tokenizer import Encode
 from pypto_serving.parsers.grammar import Grammars
 from pypto_serving.parsers.reply import ReplyDelta, ReplyEnd, ReplyParser
 from pypto_serving.tokenizer.detokenizer import IncrementalDetokenizer
+from pypto_serving.tokenizer.encode import too_long_message
 from pypto_serving.tokenizer.logprobs import token_logprobs
 from pypto_serving.tokenizer.stop import StopMatcher
 from pypto_serving.tokenizer.tokenizer import Tokenizer
@@ -140,9 +141,12 @@ class RequestStream:
             if isinstance(reply, Tokens):
                 return reply
             if isinstance(reply, Rejected) and reply.status != 400:
-                raise Refused(reply.message, reply.status, "internal_error")
+                kind = "unavailable" if reply.status == 503 else "internal_error"
+                raise Refused(reply.message, reply.status, kind,
+                              retry_after=1 if reply.status == 503 else None)
             if isinstance(reply, Rejected):
-                raise InvalidRequest(reply.message, "prompt" if isinstance(prompt, str) else "messages")
+                raise InvalidRequest(reply.message, reply.param or
+                                     ("prompt" if isinstance(prompt, str) else "messages"))
             text, ids = reply.text, reply.token_ids
         check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
         return text, self._non_empty(ids)
@@ -158,10 +162,7 @@ class RequestStream:
     def _max_tokens(self, prompt_ids: tuple[int, ...]) -> int:
         room = self.limits.max_model_len - len(prompt_ids)
         if room <= 0:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens but --max-model-len is "
-                f"{self.limits.max_model_len}: shorten the prompt to at most "
-                f"{self.limits.max_model_len - 1} tokens", "prompt")
+            raise InvalidRequest(too_long_message(len(prompt_ids), self.limits.max_model_len), "prompt")
         wanted = self.request.max_tokens
         wanted = self.limits.default_max_tokens if wanted is None else wanted
         if wanted > room:

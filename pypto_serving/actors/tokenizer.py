@@ -24,8 +24,8 @@ from pypto_serving.messages.mailbox import Mailbox
 from pypto_serving.messages.request import Encoded, Rejected
 from pypto_serving.messages.tokenizer import Encode, TokenizerInbox
 from pypto_serving.tokenizer.chat_template import ChatTemplateError
-from pypto_serving.tokenizer.encode import encode_prompt, prompt_chars
-from pypto_serving.tokenizer.encoder_process import EncoderProcess
+from pypto_serving.tokenizer.encode import PromptTooLong, encode_prompt, prompt_chars
+from pypto_serving.tokenizer.encoder_process import EncoderBusy, EncoderProcess
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
 log = structlog.get_logger()
@@ -54,6 +54,10 @@ class TokenizerActor(Actor[TokenizerInbox]):
         traceback and is the request's 500: the next request may well be fine."""
         try:
             text, ids = await self.encode(prompt)
+        except PromptTooLong as exc:
+            reply_to.tell(Rejected(str(exc), param="prompt"))
+        except EncoderBusy as exc:
+            reply_to.tell(Rejected(str(exc), 503))
         except (ChatTemplateError, ValueError, TypeError) as exc:
             reply_to.tell(Rejected(str(exc)))
         except RecursionError:

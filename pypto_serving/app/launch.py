@@ -60,20 +60,26 @@ def launch(args: argparse.Namespace) -> int:
         return 130
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound before the model loads."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
+def listen(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, one per address `host` names (localhost: IPv4 and IPv6), bound
+    before the model loads so a port in use is found at once. They listen only once the
+    server starts: a client connecting during the load is refused, not left hanging."""
+    sockets: list[socket.socket] = []
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(1024)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.setblocking(False)
     except OSError:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise
-    sock.setblocking(False)
-    return sock
+    return sockets
 
 
 def load_tokenizer(args: argparse.Namespace, source: ModelSource) -> Tokenizer:
@@ -134,7 +140,7 @@ async def _start_engine(engine: Engine) -> None:
 def _profiler(settings: ServerSettings, engine: Engine) -> Profiler | None:
     if settings.profile is None:
         return None
-    return Profiler(settings.profile, engine.recorder, engine.workers)
+    return Profiler(settings.profile, engine.recorder, lambda: engine.workers)
 
 
 def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[str]) -> None:
@@ -171,7 +177,7 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
 
 
 async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.Namespace,
-                listening: socket.socket) -> int:
+                listening: list[socket.socket]) -> int:
     engine = _new_engine(settings, tokenizer)
     signals = ShutdownSignals(on_force=engine.kill)
     await _start_engine(engine)
@@ -187,7 +193,8 @@ async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.N
     runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                        keepalive_timeout=settings.http.keepalive_timeout)
     await runner.setup()
-    await web.SockSite(runner, listening).start()
+    for sock in listening:
+        await web.SockSite(runner, sock).start()
     endpoints = [f"{r.method} {r.path}" for r in handlers.routes()] + ops.endpoints()
     _startup_summary(settings, engine, endpoints)
     log.info("Application startup complete")

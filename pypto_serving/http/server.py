@@ -94,6 +94,8 @@ class Handlers:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        if self.engine.dead_reason is not None:
+            return _engine_unavailable(self.engine.dead_reason)
         try:
             body = protocol.decode_body(await request.read(), bodies.TokenizeBody)
             prompt, special = protocol.parse_tokenize(body)
@@ -106,6 +108,8 @@ class Handlers:
         return json_response(r.Tokenized(len(ids), self.engine.config.limits.max_model_len, ids, strs))
 
     async def detokenize(self, request: web.Request) -> web.Response:
+        if self.engine.dead_reason is not None:
+            return _engine_unavailable(self.engine.dead_reason)
         try:
             body = protocol.decode_body(await request.read(), bodies.DetokenizeBody)
             check_token_ids(body.tokens, self.engine.tokenizer.vocab_size, "tokens")
@@ -216,6 +220,13 @@ class Handlers:
         await response.write_eof()
 
 
+def _engine_unavailable(reason: str) -> web.Response:
+    response = json_response(error_body(f"the engine cannot serve: {reason}", kind="unavailable",
+                                        code=503), 503)
+    response.headers["Retry-After"] = "1"
+    return response
+
+
 def _with_request_id(parsed: protocol.Parsed, request: web.Request) -> protocol.Parsed:
     """The edge's request id (the client's X-Request-Id, or a fresh one) in the response id
     and the engine's log lines, as vLLM does: `cmpl-<X-Request-Id>`."""
@@ -263,6 +274,8 @@ def bounded_bodies(limits: HttpLimits, metrics: EngineMetrics | None = None) -> 
     """Reads every body before its handler runs, within `limits`: a body declared or found
     larger than `max_request_bytes` gets 413 unread, one that does not arrive within
     `body_timeout` gets 408; both close the connection. Handlers then read it from memory."""
+    release = _MemoryRelease()
+
     @web.middleware
     async def read_body(request: web.Request, handler) -> web.StreamResponse:
         if not request.body_exists:
@@ -271,7 +284,7 @@ def bounded_bodies(limits: HttpLimits, metrics: EngineMetrics | None = None) -> 
         try:
             if size is not None and size > limits.max_request_bytes:
                 raise web.HTTPRequestEntityTooLarge(limits.max_request_bytes, size)
-            await asyncio.wait_for(request.read(), limits.body_timeout)
+            size = len(await asyncio.wait_for(request.read(), limits.body_timeout))
         except web.HTTPRequestEntityTooLarge:
             if metrics is not None:
                 metrics.rejected("body_too_large")
@@ -284,14 +297,36 @@ def bounded_bodies(limits: HttpLimits, metrics: EngineMetrics | None = None) -> 
         try:
             return await handler(request)
         finally:
-            if size is not None and size >= BIG_BODY_BYTES:
-                # Its copies (bytes, decoded text, a rejected request's traceback frames) sit in
-                # reference cycles until the collector runs; run it now, so their megabytes go
-                # back to the OS with this request rather than some requests later.
-                gc.collect()
-                trim_freed_memory()  # and the heap's free pages between live blocks too
+            if size >= BIG_BODY_BYTES:
+                release.soon()
 
     return read_body
+
+
+class _MemoryRelease:
+    """After a big body's request: its copies (decoded text, a rejected request's traceback
+    frames) sit in reference cycles until the collector runs. Collecting, then trimming the
+    heap, hands their megabytes back to the OS with the request rather than requests later;
+    at most once per `interval` seconds, so a client looping big bodies cannot make the loop
+    collect on every one of them."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval = interval
+        self._pending: asyncio.TimerHandle | None = None
+        self._last = 0.0
+
+    def soon(self) -> None:
+        if self._pending is not None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._last + self.interval - loop.time())
+        self._pending = loop.call_later(delay, self._run)
+
+    def _run(self) -> None:
+        self._pending = None
+        self._last = asyncio.get_running_loop().time()
+        gc.collect()
+        trim_freed_memory()  # and the heap's free pages between live blocks too
 
 
 def _closing(status: int, message: str, kind: str) -> web.Response:
@@ -314,7 +349,7 @@ class _JsonErrorProtocol(RequestHandler):
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        if status == 500 or request.writer.output_size > 0:
+        if not 400 <= status < 500 or request.writer.output_size > 0:
             return super().handle_error(request, status, exc, message)
         log.info("malformed HTTP request", status=status, error=message or str(exc),
                  client=request.remote)
@@ -331,9 +366,7 @@ class AppRunner(web.AppRunner):
     """web.AppRunner whose connections answer malformed HTTP in JSON (`_JsonErrorProtocol`)."""
 
     async def _make_server(self) -> web.Server:
-        app, loop = self.app, asyncio.get_running_loop()
-        app._set_loop(loop)
-        app.on_startup.freeze()
-        await app.startup()
-        app.freeze()
-        return _Server(app._handle, request_factory=app._make_request, loop=loop, **self._kwargs)
+        server = await super()._make_server()  # aiohttp's own, with every handler argument
+        return _Server(server.request_handler, request_factory=server.request_factory,
+                       handler_cancellation=server.handler_cancellation, loop=server._loop,
+                       **server._kwargs)

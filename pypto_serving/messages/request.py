@@ -20,6 +20,7 @@ class Rejected:
 
     message: str
     status: int = 400
+    param: str | None = None  # the field to name in a 400 (default: the prompt's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """One request's observation: its metric samples, its two log lines and its trace events.
 
 The engine wraps every request's event stream in a `RequestObserver`, so request-level
-numbers are taken in one place whatever the caller (HTTP or offline): arrival is the call to
-`Engine.generate`, the first token is the first `TextDelta` that carries token ids, the end
-is `Finished` or, when the caller stops listening first, the close of the stream (aborted).
+numbers are taken in one place whatever the caller (HTTP or offline): arrival is when the
+caller first asks `Engine.generate`'s stream for an event, the first token is the first
+`TextDelta` that carries token ids, the end is `Finished` or, when the caller stops listening
+first, the close of the stream (aborted).
 """
 
 from __future__ import annotations

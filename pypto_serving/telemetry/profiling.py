@@ -13,7 +13,7 @@ import heapq
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,10 +162,12 @@ class ProfileTarget(Protocol):
 class Profiler:
     """Runs one recording session at a time across this process and every worker."""
 
-    def __init__(self, config: ProfileConfig, recorder: SpanRecorder, workers: Sequence[ProfileTarget]):
+    def __init__(self, config: ProfileConfig, recorder: SpanRecorder,
+                 workers: Callable[[], Sequence[ProfileTarget]]):
+        """`workers()`: the device workers now (a restarted engine has new ones)."""
         self.config = config
         self.recorder = recorder
-        self.workers = list(workers)
+        self._workers = workers
         self.state = "idle"  # idle | recording | writing
         self._session = 0
 
@@ -183,7 +185,7 @@ class Profiler:
         self.state = "recording"
         self.recorder.start(self.config.levels)
         prefix = str(self.output / "fragments" / f"{self._session:03d}-")
-        for worker in self.workers:
+        for worker in self._workers():
             worker.start_profile(list(self.config.levels), prefix)
         log.info("profiling started", levels=",".join(self.config.levels), output=str(self.output))
 
@@ -201,7 +203,7 @@ class Profiler:
     async def _write(self) -> dict[str, Any]:
         own = self.output / "fragments" / f"{self._session:03d}-api-{self.recorder.pid}.json"
         paths = [write_fragment(own, self.recorder.stop())]
-        for worker in self.workers:
+        for worker in self._workers():
             paths += await worker.stop_profile()
         trace = self.output / "trace.json"
         loop = asyncio.get_running_loop()

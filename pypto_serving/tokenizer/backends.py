@@ -10,6 +10,7 @@ bytes and drops the one leading space the dummy prefix put there.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -64,10 +65,19 @@ class HFBackend:
 
     def max_token_chars(self) -> int | None:
         """No token stands for more characters of input than this, so a text of C characters
-        has at least C / this many tokens. None where that cannot be promised: a normalizer
-        or an added token that strips whitespace can drop input characters."""
+        has at least C / this many tokens. Promised only for what keeps every input character
+        in some token's text: no normalizer, pre-tokenizers that split without dropping
+        (ByteLevel maps a character to one or more, Metaspace a space to one), a BPE model
+        that never folds unknown characters into one token, no added token that strips
+        whitespace. None otherwise (whitespace splitters, WordPiece, Unigram, ...)."""
         added = self._tok.get_added_tokens_decoder().values()
-        if self._tok.normalizer is not None or any(t.lstrip or t.rstrip for t in added):
+        spec = json.loads(self._tok.to_str())
+        model = spec.get("model") or {}
+        folds_unknown = model.get("unk_token") is not None and model.get("fuse_unk") \
+            and not model.get("byte_fallback")
+        if (spec.get("normalizer") is not None or model.get("type") != "BPE" or folds_unknown
+                or not _keeps_every_char(spec.get("pre_tokenizer"))
+                or any(t.lstrip or t.rstrip for t in added)):
             return None
         return max(len(self._tok.id_to_token(i) or "") for i in range(self.vocab_size))
 
@@ -76,6 +86,23 @@ class HFBackend:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
+
+
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation"})
+
+
+def _keeps_every_char(pre: dict | None) -> bool:
+    """A pre-tokenizer that splits the text without dropping any of it."""
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_char(p) for p in pre.get("pretokenizers", ()))
+    if kind == "Split":
+        return pre.get("behavior") != "Removed"
+    if kind == "Punctuation":
+        return pre.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
 
 
 class SentencePieceBackend:

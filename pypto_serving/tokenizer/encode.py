@@ -27,7 +27,15 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | ChatInput, add_special_tok
             tools=list(prompt.tools) if prompt.tools else None, **prompt.template_kwargs)
         special = bool(add_special_tokens)
     _check_length(tokenizer, text, max_model_len)
-    return text, tokenizer.encode(text, add_special_tokens=special)
+    ids = tokenizer.encode(text, add_special_tokens=special)
+    if max_model_len is not None and len(ids) >= max_model_len:  # not millions of ids sent on
+        raise PromptTooLong(too_long_message(len(ids), max_model_len))
+    return text, ids
+
+
+def too_long_message(tokens: int, max_model_len: int) -> str:
+    return (f"the prompt has {tokens} tokens but --max-model-len is {max_model_len}: shorten "
+            f"the prompt to at most {max_model_len - 1} tokens")
 
 
 def _check_length(tokenizer: Tokenizer, text: str, max_model_len: int | None) -> None:

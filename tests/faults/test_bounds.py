@@ -152,3 +152,17 @@ async def test_a_body_over_the_limit_gets_413_unread_and_405_names_the_methods()
         wrong = await client.delete("/v1/completions")
         assert wrong.status == 405 and wrong.headers["Allow"] == "POST"
         assert (await wrong.json())["code"] == 405
+
+
+def test_a_gone_workers_client_reports_no_second_death() -> None:
+    """After a restart the old client may still be asked to send (a profile started on it):
+    a client whose worker is gone must not report a death again, which would kill the new
+    engine."""
+    from pypto_serving.actors.device_client import DeviceWorkerClient
+    from pypto_serving.messages.worker import StartProfile
+
+    deaths: list[str] = []
+    client = DeviceWorkerClient(None, lambda result: None, deaths.append)
+    client._gone = True
+    assert client._send(StartProfile(["e2e"], "x")) is False
+    assert deaths == []

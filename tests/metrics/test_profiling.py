@@ -88,7 +88,7 @@ class FakeWorker:
 async def test_profiler_state_machine_and_round_trip(tmp_path: Path):
     worker = FakeWorker(tmp_path)
     recorder = SpanRecorder("api-server")
-    profiler = Profiler(ProfileConfig(str(tmp_path / "out"), ("e2e",)), recorder, [worker])
+    profiler = Profiler(ProfileConfig(str(tmp_path / "out"), ("e2e",)), recorder, lambda: [worker])
     with pytest.raises(ProfileError, match="start_profile"):
         await profiler.stop()
     profiler.start()
