@@ -2,8 +2,8 @@
 
 Not an actor with a loop of its own: it is the edge, an async iterator that http/ (or offline
 mode) drives, with a mailbox others `tell`. Receives (messages/request.py) `Encoded`/`Rejected`
-(from the tokenizer actor), `Tokens` (from the scheduler), `EngineDied` (from the engine), all
-through one dispatch point (`_receive`). Sends `Encode` to the tokenizer, `Submit` and
+(from the tokenizer actor), `Tokens` (from the scheduler), `EngineDied` and `TimedOut` (from
+the engine; a timeout also aborts the sequence), all through one dispatch point (`_receive`). Sends `Encode` to the tokenizer, `Submit` and
 `Abort` to the scheduler, and yields `Started`, `TextDelta` (with per-token logprobs when
 asked), `Finished` events.
 State owned: the incremental detokenizer, the stop-string matcher and the reply parser
