@@ -3,9 +3,9 @@
 Not an actor with a loop of its own: it is the edge, an async iterator that http/ (or offline
 mode) drives, with a mailbox others `tell`. Receives (messages/request.py) `Encoded`/`Rejected`
 (from the tokenizer actor), `Tokens` (from the scheduler), `EngineDied` and `TimedOut` (from
-the engine; a timeout also aborts the sequence), all through one dispatch point (`_receive`). Sends `Encode` to the tokenizer, `Submit` and
-`Abort` to the scheduler, and yields `Started`, `TextDelta` (with per-token logprobs when
-asked), `Finished` events.
+the engine; a timeout also aborts the sequence), all through one dispatch point
+(`_receive`). Sends `Encode` to the tokenizer, `Submit` and `Abort` to the scheduler, and
+yields `Started`, `TextDelta` (with per-token logprobs when asked), `Finished` events.
 State owned: the incremental detokenizer, the stop-string matcher and the reply parser
 (reasoning, tool calls) of its sequence.
 Invariants: no partial stop string, tag or broken UTF-8 character ever leaves; no token id
