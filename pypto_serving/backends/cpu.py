@@ -45,7 +45,8 @@ class CpuBackend(PortableBackend):
         from pypto_serving.kernels.quant_linear import pack
 
         matmul = qlinear.quant_linear_cpu_q8 if int8_activations else qlinear.quant_linear_cpu
-        return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, int8_activations)
+        return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, int8_activations,
+                            head=qlinear.quant_linear_cpu)
 
     def decoder_ops(self, packed: bool) -> DecoderOps:
         """The fused C kernels come with packed weights; the exact path stays portable."""

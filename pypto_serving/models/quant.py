@@ -8,7 +8,8 @@ and the kernels that read it (`QuantKernels`): the CPU's C kernels, or the porta
 dequantize-then-F.linear ones.
 
 `--activation-quantization int8` (the CPU default with packed weights) makes the C matmuls
-quantize their input rows to int8 per group of 32 first, as llama.cpp does: about twice the
+(all but the lm_head's) quantize their input rows to int8 per group of 32 first, as llama.cpp
+does: about twice the
 multiply-adds per second on 4-bit weights, at the price of a small, batch-independent error
 (each row is quantized on its own, so a request's tokens do not depend on its batch).
 """
@@ -42,6 +43,14 @@ class QuantKernels:
     matmul: Matmul
     gather: Gather
     int8_activations: bool = False
+    # The lm_head's matmul (None: `matmul`). The CPU's keeps float activations there even
+    # when `matmul` quantizes them: it runs on one row per sequence and step, so exactness
+    # costs almost nothing, and its errors go straight into the logits.
+    head: Matmul | None = None
+
+    @property
+    def head_matmul(self) -> Matmul:
+        return self.head or self.matmul
 
 
 PORTABLE_KERNELS = QuantKernels(portable.pack, portable.quant_linear, portable.quant_embedding)
@@ -81,11 +90,12 @@ class PackedRows(nn.Module):
 
 class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int | None,
-                 kernels: QuantKernels) -> None:
+                 kernels: QuantKernels, head: bool = False) -> None:
         super().__init__()
         self.weight = PackedRows(out_features, in_features, bits, kernels.pack)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.kernels = kernels
+        self._matmul = kernels.head_matmul if head else kernels.matmul
         self._panel_bias: torch.Tensor | None = None
 
     def finish_loading(self) -> None:
@@ -95,7 +105,7 @@ class QuantLinear(nn.Module):
             self._panel_bias = torch.nn.functional.pad(self.bias.detach().float(), (0, pad))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.matmul(x, self.weight.packed, self._panel_bias)
+        return self._matmul(x, self.weight.packed, self._panel_bias)
 
 
 class QuantEmbedding(nn.Module):
@@ -110,7 +120,7 @@ class QuantEmbedding(nn.Module):
         return self.kernels.gather(ids, self.weight.packed)
 
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.matmul(x, self.weight.packed, None)
+        return self.kernels.head_matmul(x, self.weight.packed, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +141,7 @@ class LayerFactory:
         if self.quantization == "none" or not can_pack(out_features, in_features):
             return nn.Linear(in_features, out_features, bias=bias)
         bits = {"int8": 8, "int4": 4, "auto": None}[self.quantization]
-        return QuantLinear(in_features, out_features, bias, 8 if head else bits, self.kernels)
+        return QuantLinear(in_features, out_features, bias, 8 if head else bits, self.kernels, head)
 
     def decoder_ops(self) -> DecoderOps:
         return self.ops

@@ -112,7 +112,8 @@ def test_cpu_kernel_takes_leading_dims_and_strided_input() -> None:
 def int8_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
     """What qdot.c computes, in plain torch: each row's groups of 32 quantized to
     round(x * 127 / max|x|), integer dot products with the levels, then per group
-    d * scale * dot + sum(x) * zero (summed in float64 here, so equal up to rounding)."""
+    d * scale * dot + d * sum(xq) * zero: the quantized row times the dequantized weight
+    (summed in float64 here, so equal up to rounding)."""
     m, k = x.shape
     xg = x.view(m, k // GROUP, GROUP)
     amax = xg.abs().amax(-1, keepdim=True)
@@ -122,7 +123,8 @@ def int8_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
     scale = w.scale.transpose(1, 2).reshape(-1, k // GROUP)[: w.n].double()
     zero = w.zero.transpose(1, 2).reshape(-1, k // GROUP)[: w.n].double()
     d = (amax / 127.0).squeeze(-1).double()
-    return (dot * d[:, None, :] * scale + xg.sum(-1).double()[:, None, :] * zero).sum(-1).float()
+    xsum = xq.sum(-1).double() * d
+    return (dot * d[:, None, :] * scale + xsum[:, None, :] * zero).sum(-1).float()
 
 
 @needs_kernels

@@ -65,18 +65,25 @@ def test_packed_smollm2_greedy_tokens_equal_transformers(
 def test_int8_activations_stay_close_to_transformers(smollm2_gguf: str, hf_smollm2,
                                                      transformers_tokens: list[int]) -> None:
     """The server's CPU default quantizes matmul inputs to int8 (as llama.cpp does): greedy
-    text still follows transformers here, and along that text the next-token logits move by
-    ~1% of their spread on average (measured: mean |diff| 0.2-0.55 for a spread of ~30), with
-    the same top token at every position checked."""
-    assert runner_greedy(smollm2_gguf, NEW_TOKENS, "auto", "int8") == transformers_tokens
+    text follows transformers up to its first near tie (here the sixth token, where its top
+    two logits are 0.22 apart: quantization may pick either), and along transformers' text
+    the next-token logits move by ~1% of their spread on average (measured: mean |diff|
+    0.2-0.55 for a spread of ~30), with the same top token wherever the margin is clear."""
     text = PROMPT + transformers_tokens
     with torch.no_grad():
         want = hf_smollm2(torch.tensor([text])).logits[0]
+    top2 = want[len(PROMPT) - 1 :].topk(2).values
+    clear = next(i for i, (a, b) in enumerate(top2.tolist()) if a - b < 0.5)
+    assert clear >= 4
+    greedy = runner_greedy(smollm2_gguf, NEW_TOKENS, "auto", "int8")
+    assert greedy[:clear] == transformers_tokens[:clear]
     fast = make_runner(smollm2_gguf, "auto", "int8")
     for end in range(len(PROMPT), len(text), 4):
         tokens, got = prefill(fast, text[:end])
         ref = want[end - 1]
         diff, spread = (got - ref).abs(), ref.max() - ref.min()
-        assert tokens == [int(ref.argmax())]
+        top = ref.topk(2).values
+        if top[0] - top[1] >= 0.5:
+            assert tokens == [int(ref.argmax())]
         assert 1e-3 < diff.mean() < 0.03 * spread  # quantized (not the exact path), and close
         assert diff.max() < 0.1 * spread

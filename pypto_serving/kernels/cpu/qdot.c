@@ -4,7 +4,8 @@
  * The weights are the panels of qlinear.c, read as they are stored (16 output rows per panel,
  * int4 levels 0..15 with scale and zero, or int8 levels with scale). Each row of x is quantized
  * per group of 32 along K: d = max|x| / 127, xq = round(x * 127 / max|x|) in [-127, 127], and
- * the group's plain float sum sx is kept for the zero term. Per group g and output n,
+ * the sum of the group's quantized inputs, sx = d * sum(xq), is kept for the zero term (as
+ * llama.cpp's Q8_1 keeps it). Per group g and output n,
  *   dot = sum of xq[k] * q[k, n]           (integers, exact: the order cannot matter)
  *   acc = fma(dot, d * scale, acc); acc = fma(sx, zero, acc)
  * in the same order for every tiling, so a row's result never depends on the batch (M = 1
@@ -80,24 +81,28 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *p = x + g * GROUP;
-        __m256 v[4], m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+        __m256 v[4], m = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(p + i * 8);
             m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-            s = _mm256_add_ps(s, v[i]);
         }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
         float amax = _mm_cvtss_f32(m4);
         d[g] = amax / 127.0f;
-        sx[g] = _mm_cvtss_f32(s4);
         __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i i[4];
         for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)); /* nearest even */
+        /* The zero term takes the sum of the quantized inputs, d * sum(xq): the group's result is
+         * then exactly the dot product of the quantized row with the dequantized weights, whose
+         * errors partly cancel; the float sum would pair an exact correction with a quantized
+         * product (about twice the error on real layers). */
+        __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
+        sx[g] = d[g] * (float)_mm_cvtsi128_si32(t4);
         __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         /* packs interleaves 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
         w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
