@@ -31,7 +31,7 @@ from pypto_serving.worker.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PATHS = {"exact": ("none", "none"), "default": ("auto", "int8")}
+EXACT = ("none", "none")
 
 
 def corpus() -> str:
@@ -59,22 +59,24 @@ def window_logits(r: ModelRunner, ids: list[int], seq_id: int) -> torch.Tensor:
     return kept[0]
 
 
-def measure(path: str, ids: list[int], window: int) -> dict:
+def measure(path: str, ids: list[int], window: int, activations: str = "int8") -> dict:
+    """The fast path: `auto` packing with `activations` (int8 by default, as served)."""
+    paths = {"exact": EXACT, "default": ("auto", activations)}
     windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > 1]
     out = {}
-    for name, (quantization, activations) in PATHS.items():
+    for name, (quantization, activations) in paths.items():
         t0 = time.monotonic()
         r = runner_for(path, 1, quantization, activations)
         out[name] = [window_logits(r, w, i + 1) for i, w in enumerate(windows)]
         print(f"{name}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
     agree = total = 0
-    nll = dict.fromkeys(PATHS, 0.0)
+    nll = dict.fromkeys(paths, 0.0)
     for i, w in enumerate(windows):
         target = torch.tensor(w[1:])
         exact, fast = out["exact"][i][:-1], out["default"][i][:-1]
         agree += int((exact.argmax(-1) == fast.argmax(-1)).sum())
         total += len(target)
-        for name in PATHS:
+        for name in paths:
             logp = torch.log_softmax(out[name][i][:-1].double(), -1)
             nll[name] -= float(logp.gather(1, target[:, None]).sum())
     ppl = {name: math.exp(v / total) for name, v in nll.items()}
@@ -87,12 +89,15 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512, help=f"tokens per prefill (at most {MAX_LEN})")
+    p.add_argument("--activation-quantization", default="int8", choices=("int8", "int16", "none"),
+                   help="the fast path's activations (default int8, the server's default)")
     args = p.parse_args()
     if not 1 < args.window <= MAX_LEN:
         p.error(f"--window must be in 2..{MAX_LEN}")
     path = str(resolve_short_name(args.model))
     ids = Tokenizer.load(path).encode(corpus(), add_special_tokens=False)[: args.tokens + 1]
-    print(json.dumps({"model": args.model, **measure(path, ids, args.window)}, indent=2))
+    result = measure(path, ids, args.window, args.activation_quantization)
+    print(json.dumps({"model": args.model, "activations": args.activation_quantization, **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
-    p.add_argument("--activation-quantization", default="int8", choices=("none", "int8"))
+    p.add_argument("--activation-quantization", default="int8", choices=("none", "int8", "int16"))
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     if PROMPT + args.steps >= MAX_LEN:

@@ -35,6 +35,12 @@ def test_int8_activations_without_packed_weights_are_refused(smollm2) -> None:
         worker(smollm2, "--quantization", "none", "--activation-quantization", "int8")
 
 
+def test_int16_activations_need_packed_weights_too(smollm2) -> None:
+    assert worker(smollm2, "--activation-quantization", "int16").quant.activations == "int16"
+    with pytest.raises(FlagError, match="--activation-quantization int16"):
+        worker(smollm2, "--quantization", "none", "--activation-quantization", "int16")
+
+
 @pytest.mark.parametrize(("c_kernels", "expected"), [(True, ("c", "int8")), (False, ("portable", "none"))])
 def test_the_worker_reports_the_kernels_it_really_runs(monkeypatch, c_kernels, expected) -> None:
     import torch

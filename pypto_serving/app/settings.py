@@ -149,9 +149,10 @@ def _activation_quantization(args: argparse.Namespace, backend: str, dtype: str,
     packed_cpu = backend == "cpu" and dtype == "float32" and quantization != "none"
     if args.activation_quantization == "auto":
         return "int8" if packed_cpu else "none"
-    if args.activation_quantization == "int8" and not packed_cpu:
-        raise FlagError("--activation-quantization int8 needs packed weights on the cpu backend "
-                        "(--backend cpu, --dtype auto or float32, --quantization other than none)")
+    if args.activation_quantization in ("int8", "int16") and not packed_cpu:
+        raise FlagError(f"--activation-quantization {args.activation_quantization} needs packed weights "
+                        "on the cpu backend (--backend cpu, --dtype auto or float32, --quantization "
+                        "other than none)")
     return args.activation_quantization
 
 

@@ -38,15 +38,16 @@ class CpuBackend(PortableBackend):
         """The C kernels run here, for this model's dtype."""
         return self.dtype == torch.float32 and cpu.available()
 
-    def quant_kernels(self, int8_activations: bool) -> QuantKernels:
+    def quant_kernels(self, activations: str) -> QuantKernels:
         if not self.native:
-            return super().quant_kernels(int8_activations)
+            return super().quant_kernels(activations)
         from pypto_serving.kernels.cpu import qlinear
         from pypto_serving.kernels.quant_linear import pack
 
-        matmul = qlinear.quant_linear_cpu_q8 if int8_activations else qlinear.quant_linear_cpu
-        return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, int8_activations,
-                            head=qlinear.quant_linear_cpu)
+        matmul = {"int8": qlinear.quant_linear_cpu_q8, "int16": qlinear.quant_linear_cpu_q16}.get(
+            activations, qlinear.quant_linear_cpu)
+        used = activations if activations in ("int8", "int16") else "none"
+        return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, used, head=qlinear.quant_linear_cpu)
 
     def decoder_ops(self, packed: bool) -> DecoderOps:
         """The fused C kernels come with packed weights; the exact path stays portable."""

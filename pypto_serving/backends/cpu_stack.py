@@ -28,6 +28,8 @@ from pypto_serving.models.quant import QuantEmbedding, QuantLinear
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
+ACTIVATION_PLANES = {"none": 0, "int8": 1, "int16": 2}  # the C stack's int8_act
+
 
 class _QLinear(ctypes.Structure):
     _fields_ = [("q", _P), ("scale", _P), ("zero", _P), ("bias", _P), ("k", _I), ("n_blocks", _I),
@@ -132,9 +134,9 @@ class DecoderStack:
         arch = model.arch
         layers = model.model.layers
         self._kv_half = kv_caches[0][0].dtype == torch.float16
-        int8_act = layers[0].self_attn.qkv_proj.kernels.int8_activations
+        planes = ACTIVATION_PLANES[layers[0].self_attn.qkv_proj.kernels.activations]
         self._shape = _Shape(arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
-                             arch.head_dim, arch.intermediate_size, int(self._kv_half), int(int8_act),
+                             arch.head_dim, arch.intermediate_size, int(self._kv_half), planes,
                              layers[0].input_layernorm.eps, arch.head_dim**-0.5,
                              model.model.norm.weight.data_ptr())
         self._layers = (_Layer * len(layers))(*(
@@ -160,7 +162,7 @@ class DecoderStack:
             and arch.hidden_size % 8 == 0 and arch.intermediate_size % 8 == 0
             and isinstance(model.model.embed_tokens, QuantEmbedding)
             and all(_fills_panels(m) for m in linears)
-            and len({m.kernels.int8_activations for m in linears}) == 1
+            and len({m.kernels.activations for m in linears}) == 1
             and all(k.dtype == v.dtype and k.dtype in (torch.float16, torch.float32)
                     and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         )

@@ -41,8 +41,9 @@ class PortableBackend:
         self.device, self.dtype = torch.device(device), dtype
 
     # -- the model's layers ------------------------------------------------------
-    def quant_kernels(self, int8_activations: bool) -> QuantKernels:
-        """Packing and the matmul/gather over packed weights (float32 activations here)."""
+    def quant_kernels(self, activations: str) -> QuantKernels:
+        """Packing and the matmul/gather over packed weights; `activations` (none, int8,
+        int16) is what the matmuls may quantize their inputs to (float32 always, here)."""
         return PORTABLE_KERNELS
 
     def decoder_ops(self, packed: bool) -> DecoderOps:
@@ -51,20 +52,20 @@ class PortableBackend:
 
     def layers(self, quantization: str, activations: str = "none") -> LayerFactory:
         """The model's linears, embedding and decoder ops for one quantization setting;
-        `activations` "int8": the packed matmuls quantize their inputs where they can."""
+        `activations` "int8"/"int16": the packed matmuls quantize their inputs where they can."""
         if activations not in ACTIVATION_QUANTIZATIONS:
             raise ValueError(f"unknown activation quantization {activations!r}; "
                              f"expected one of {ACTIVATION_QUANTIZATIONS}")
-        return LayerFactory(quantization, self.quant_kernels(activations == "int8"),
+        return LayerFactory(quantization, self.quant_kernels(activations),
                             self.decoder_ops(quantization != "none"))
 
     def kernels_used(self, quantization: str, activations: str) -> tuple[str, str]:
         """(kernels, activation quantization) the packed matmuls really run, for the log."""
         if quantization == "none":
             return "portable", "none"
-        kernels = self.quant_kernels(activations == "int8")
+        kernels = self.quant_kernels(activations)
         native = kernels.matmul is not PORTABLE_KERNELS.matmul
-        return ("c" if native else "portable"), ("int8" if kernels.int8_activations else "none")
+        return ("c" if native else "portable"), kernels.activations
 
     def stack(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> StackRunner | None:
         """A runner of the whole stack in one call, where this backend has one that fits."""

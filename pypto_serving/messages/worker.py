@@ -47,6 +47,7 @@ class Quantization(enum.StrEnum):
 class ActivationQuantization(enum.StrEnum):
     NONE = "none"
     INT8 = "int8"  # the CPU's packed matmuls quantize their inputs per row and group of 32
+    INT16 = "int16"  # ... to two int8 planes (value and rounding residual): near exact
 
 
 class LogFormat(enum.StrEnum):

@@ -9,7 +9,8 @@ dequantize-then-F.linear ones.
 
 `--activation-quantization int8` (the CPU default with packed weights) makes the C matmuls
 (all but the lm_head's) quantize their input rows to int8 per group of 32 first, as llama.cpp
-does: about twice the
+does (`int16`: two int8 planes, the second holding each rounding's residual: near exact, at
+twice the integer multiply-adds): about twice the
 multiply-adds per second on 4-bit weights, at the price of a small, batch-independent error
 (each row is quantized on its own, so a request's tokens do not depend on its batch).
 """
@@ -27,7 +28,7 @@ from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.kernels.quant_linear import PackedWeight, can_pack
 
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
-ACTIVATION_QUANTIZATIONS = ("none", "int8")
+ACTIVATION_QUANTIZATIONS = ("none", "int8", "int16")
 LOSSLESS_STEP_FRACTION = 0.01  # a weight within 1% of a level's step counts as on the grid
 
 Pack = Callable[[torch.Tensor, int], tuple[PackedWeight, float]]  # (w, bits) -> (packed, error)
@@ -42,7 +43,7 @@ class QuantKernels:
     pack: Pack
     matmul: Matmul
     gather: Gather
-    int8_activations: bool = False
+    activations: str = "none"  # what `matmul` quantizes its inputs to: none, int8, int16
     # The lm_head's matmul (None: `matmul`). The CPU's keeps float activations there even
     # when `matmul` quantizes them: it runs on one row per sequence and step, so exactness
     # costs almost nothing, and its errors go straight into the logits.

@@ -159,3 +159,51 @@ def test_int8_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     fives = torch.cat([quant_linear_cpu_q8(x[i : i + 5], packed) for i in range(0, 40, 5)])
     assert torch.equal(together, alone)
     assert torch.equal(together, fives)
+
+
+def int16_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
+    """What qdot.c computes with two planes: per group hi = round(x / d) (d = max|x| / 127)
+    and lo = round((x - d * hi) / (d / 254)), then the int8 reference's product with
+    x replaced by (254 * hi + lo) * d / 254: the row as it is quantized, times the weights."""
+    m, k = x.shape
+    xg = x.view(m, k // GROUP, GROUP)
+    amax = xg.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    hi = (xg * inv).round()
+    lo = ((xg - hi * d) * inv * 254).round()
+    quantized = ((254 * hi + lo) * (d / 254)).double().view(m, k)
+    return (quantized @ quant_linear(torch.eye(k), w).double()).float()
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 40])
+def test_int16_activation_kernel_is_near_the_float_product(bits: int, m: int) -> None:
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q8, quant_linear_cpu_q16
+
+    n, k = 40, 256
+    packed, _ = pack(torch.randn(n, k), bits)
+    x = torch.randn(m, k)
+    x[0, :GROUP] = 0.0
+    bias = torch.randn(48)
+    got = quant_linear_cpu_q16(x, packed, bias)
+    assert got.shape == (m, n)
+    # a residual's rounding can fall the other way in float (one lo step, d / 254 x a weight)
+    torch.testing.assert_close(got, int16_activation_reference(x, packed) + bias[:n], rtol=1e-5, atol=5e-4)
+    exact = quant_linear(x, packed, bias)
+    error = (got - exact).abs().max() / exact.abs().max()
+    int8_error = (quant_linear_cpu_q8(x, packed, bias) - exact).abs().max() / exact.abs().max()
+    assert error < int8_error / 50  # about 1/254 of int8's rounding
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int16_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q16
+
+    packed, _ = pack(torch.randn(64, 4096), bits)
+    x = torch.randn(41, 4096)
+    together = quant_linear_cpu_q16(x, packed)
+    alone = torch.cat([quant_linear_cpu_q16(x[i : i + 1], packed) for i in range(41)])
+    assert torch.equal(together, alone)

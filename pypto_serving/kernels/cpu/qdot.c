@@ -69,6 +69,12 @@ INLINE __m256i widen(__m256i acc, int bits) {
     return bits == 4 ? _mm256_madd_epi16(acc, _mm256_set1_epi16(1)) : acc;
 }
 
+/* Two planes (int16 activations): the group's dot is LO_STEPS * hi + lo in units of d / LO_STEPS. */
+#define LO_STEPS 254
+INLINE __m256i planes_dot(__m256i hi, __m256i lo) {
+    return _mm256_add_epi32(_mm256_mullo_epi32(hi, _mm256_set1_epi32(LO_STEPS)), lo);
+}
+
 INLINE __m256 group_step(__m256 acc, __m256i dot, float d, float sx, __m256 scale, __m256 zero) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_set1_ps(d), scale), acc);
     return _mm256_fmadd_ps(_mm256_set1_ps(sx), zero, acc);
@@ -76,8 +82,22 @@ INLINE __m256 group_step(__m256 acc, __m256i dot, float d, float sx, __m256 scal
 
 /* ---- activations ---- */
 
-/* Row r of x -> xq [k], d [k / 32], sx [k / 32]. */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx) {
+INLINE int32_t hsum8(__m256i t) {
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(t4);
+}
+
+INLINE __m256i pack32(__m256i i[4]) {
+    __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    /* packs interleaves 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
+    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Row r of x -> xq [k], d [k / 32], sx [k / 32]; with lo (int16 activations) also the second
+ * plane: the rounding residual x - d * xq in steps of d / LO_STEPS, and d becomes that step. */
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < k / GROUP; g++) {
         const float *p = x + g * GROUP;
@@ -99,20 +119,30 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
          * errors partly cancel; the float sum would pair an exact correction with a quantized
          * product (about twice the error on real layers). */
         __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
-        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
-        sx[g] = d[g] * (float)_mm_cvtsi128_si32(t4);
-        __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        /* packs interleaves 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
-        w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(xq + g * GROUP), w);
+        int32_t sum = hsum8(t);
+        _mm256_storeu_si256((__m256i *)(xq + g * GROUP), pack32(i));
+        if (!lo) {
+            sx[g] = d[g] * (float)sum;
+            continue;
+        }
+        /* the residual of each rounding is at most d / 2: LO_STEPS / 2 = 127 steps of d / LO_STEPS */
+        __m256 step = _mm256_set1_ps(d[g]), inv_lo = _mm256_set1_ps(amax > 0.0f ? LO_STEPS * 127.0f / amax : 0.0f);
+        __m256i r[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 res = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(i[j]), step, v[j]);
+            r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(res, inv_lo));
+        }
+        _mm256_storeu_si256((__m256i *)(lo + g * GROUP), pack32(r));
+        __m256i u = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        d[g] /= LO_STEPS;
+        sx[g] = d[g] * (float)(LO_STEPS * sum + hsum8(u));
     }
 }
 
 typedef struct {
     int8_t *q;
     float *d, *sx;
+    int8_t *lo; /* the second plane of int16 activations, or NULL */
 } Rows;
 
 static __thread void *act_buf;
@@ -120,18 +150,19 @@ static __thread size_t act_len;
 
 /* Room for m quantized rows of k in a per-thread buffer (reused across calls), or .q NULL when
  * out of memory. */
-static Rows rows_buffer(int64_t m, int64_t k) {
-    size_t need = (size_t)m * k + 2 * (size_t)m * (k / GROUP) * sizeof(float) + 64;
+static Rows rows_buffer(int64_t m, int64_t k, int planes) {
+    size_t need = (size_t)planes * m * k + 2 * (size_t)m * (k / GROUP) * sizeof(float) + 64;
     if (act_len < need) {
         free(act_buf);
         act_buf = malloc(need);
         act_len = act_buf ? need : 0;
     }
-    Rows r = {0, 0, 0};
+    Rows r = {0, 0, 0, 0};
     if (!act_buf) return r;
     r.d = act_buf;
     r.sx = r.d + m * (k / GROUP);
     r.q = (int8_t *)(r.sx + m * (k / GROUP));
+    r.lo = planes == 2 ? r.q + m * k : 0;
     return r;
 }
 
@@ -146,16 +177,26 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t g = 0; g < k_len / GROUP; g++) {
         __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+        __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
             __m256i a, b, xv = quad_of(x->q + k);
             if (bits == 4) quads4(q, k, &a, &b);
             else quads8(q, k, &a, &b);
             t0 = quad_dot(t0, a, xv, bits, 0);
             t1 = quad_dot(t1, b, xv, bits, 0);
+            if (x->lo) {
+                __m256i xl = quad_of(x->lo + k);
+                l0 = quad_dot(l0, a, xl, bits, 0);
+                l1 = quad_dot(l1, b, xl, bits, 0);
+            }
         }
-        acc0 = group_step(acc0, widen(t0, bits), x->d[g], x->sx[g], half8(scale + g * NB), half8(zero + g * NB));
-        acc1 = group_step(acc1, widen(t1, bits), x->d[g], x->sx[g], half8(scale + g * NB + 8),
-                          half8(zero + g * NB + 8));
+        __m256i d0 = widen(t0, bits), d1 = widen(t1, bits);
+        if (x->lo) {
+            d0 = planes_dot(d0, widen(l0, bits));
+            d1 = planes_dot(d1, widen(l1, bits));
+        }
+        acc0 = group_step(acc0, d0, x->d[g], x->sx[g], half8(scale + g * NB), half8(zero + g * NB));
+        acc1 = group_step(acc1, d1, x->d[g], x->sx[g], half8(scale + g * NB + 8), half8(zero + g * NB + 8));
     }
     store8(y, acc0, bias);
     store8(y + 8, acc1, bias ? bias + 8 : 0);
@@ -225,6 +266,51 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
     }
 }
 
+/* As tile, for int16 activations: two planes per row, so two rows per tile fit the registers. */
+INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
+                  int64_t ldy, const float *bias, const char *next) {
+    const int64_t groups = k_len / GROUP;
+    const int8_t *xr[2], *xl[2];
+    __m256 acc[2][2];
+    for (int r = 0; r < mr; r++) {
+        xr[r] = x->q + (m0 + r) * k_len;
+        xl[r] = x->lo + (m0 + r) * k_len;
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256i *qg = p.quads + g * 2 * QUADS;
+        __m256i t[2][2], l[2][2];
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            __m256i a = _mm256_loadu_si256(qg + 2 * j), b = _mm256_loadu_si256(qg + 2 * j + 1);
+            for (int r = 0; r < mr; r++) {
+                __m256i xv = quad_of(xr[r] + g * GROUP + 4 * j), xlv = quad_of(xl[r] + g * GROUP + 4 * j);
+                t[r][0] = quad_dot(t[r][0], a, xv, bits, j == 0);
+                t[r][1] = quad_dot(t[r][1], b, xv, bits, j == 0);
+                l[r][0] = quad_dot(l[r][0], a, xlv, bits, j == 0);
+                l[r][1] = quad_dot(l[r][1], b, xlv, bits, j == 0);
+                __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]), "+x"(l[r][0]), "+x"(l[r][1]));
+            }
+        }
+        if (next)
+            for (int n = 0; n < bits; n++) _mm_prefetch(next + (g * bits + n) * 64, _MM_HINT_T0);
+        const float *sz = p.sz + g * 2 * NB;
+        __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
+        __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
+        for (int r = 0; r < mr; r++) {
+            int64_t i = (m0 + r) * groups + g;
+            acc[r][0] = group_step(acc[r][0], planes_dot(widen(t[r][0], bits), widen(l[r][0], bits)), x->d[i],
+                                   x->sx[i], s0, z0);
+            acc[r][1] = group_step(acc[r][1], planes_dot(widen(t[r][1], bits), widen(l[r][1], bits)), x->d[i],
+                                   x->sx[i], s1, z1);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        store8(y + r * ldy, acc[r][0], bias);
+        store8(y + r * ldy + 8, acc[r][1], bias ? bias + 8 : 0);
+    }
+}
+
 /* Rows 0 .. m - 1 of x against one panel, in tiles of MR rows and a last one of 1 or 2 (each
  * size a constant, so each tile keeps its registers); the first tile prefetches `next` (the
  * following panel's levels, or NULL). */
@@ -232,6 +318,11 @@ _Static_assert(MR == 3, "panel_rows tiles the last 1 or 2 rows");
 INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y, int64_t ldy,
                        const float *bias, const char *next) {
     int64_t m0 = 0;
+    if (x->lo) {
+        for (; m0 + 2 <= m; m0 += 2, next = 0) tile2(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next);
+        if (m0 < m) tile2(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
+        return;
+    }
     for (; m0 + MR <= m; m0 += MR, next = 0) tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next);
     if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next);
     else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
@@ -291,15 +382,16 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
 /* Rows of x per pass over the panels: their int8 copies stay in L2 while the panels stream. */
 #define PASS_BYTES 131072
 
-/* Same contract as qlinear (x [m, k], y [m, n_blocks * 16], bias NULL or padded), int8
- * activations. Returns 0, or -1 when its scratch memory cannot be allocated. */
+/* Same contract as qlinear (x [m, k], y [m, n_blocks * 16], bias NULL or padded), with the
+ * activations quantized to int8 (planes 1) or to two int8 planes, about 15 bits (planes 2).
+ * Returns 0, or -1 when its scratch memory cannot be allocated. */
 int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
-                   const uint16_t *z, int64_t bits, const float *bias, float *y) {
-    Rows rows = rows_buffer(m, k);
+                   const uint16_t *z, int64_t bits, const float *bias, float *y, int64_t planes) {
+    Rows rows = rows_buffer(m, k, (int)planes);
     if (!rows.q) return -1;
     int64_t ldy = n_blocks * NB, groups = k / GROUP;
     if (m == 1) {
-        quantize_row(x, k, rows.q, rows.d, rows.sx);
+        quantize_row(x, k, rows.q, rows.d, rows.sx, rows.lo);
         gemv(&rows, k, n_blocks, q, s, z, (int)bits, bias, y);
         return 0;
     }
@@ -311,10 +403,12 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++)
-            quantize_row(x + i * k, k, rows.q + i * k, rows.d + i * groups, rows.sx + i * groups);
+            quantize_row(x + i * k, k, rows.q + i * k, rows.d + i * groups, rows.sx + i * groups,
+                         rows.lo ? rows.lo + i * k : 0);
         for (int64_t m0 = 0; m0 < m; m0 += pass) {
             int64_t n_rows = m - m0 < pass ? m - m0 : pass;
-            Rows part = {rows.q + m0 * k, rows.d + m0 * groups, rows.sx + m0 * groups};
+            Rows part = {rows.q + m0 * k, rows.d + m0 * groups, rows.sx + m0 * groups,
+                         rows.lo ? rows.lo + m0 * k : 0};
             failed |= gemm(&part, n_rows, k, n_blocks, q, s, z, (int)bits, bias, y + m0 * ldy, ldy);
         }
     }

@@ -31,25 +31,34 @@ def _weight_args(w: PackedWeight) -> tuple:
 
 def quant_linear_cpu(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] float32 -> [..., n]; bias padded to whole panels (n_blocks * 16)."""
-    return _linear(False, x, w, bias)
+    return _linear(0, x, w, bias)
 
 
 def quant_linear_cpu_q8(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """As `quant_linear_cpu`, with x quantized to int8 per row and group of 32 first."""
-    return _linear(True, x, w, bias)
+    return _linear(1, x, w, bias)
 
 
-def _linear(int8: bool, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def quant_linear_cpu_q16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As `quant_linear_cpu_q8`, with a second int8 plane for each rounding's residual (in
+    steps of d / 254): about 15-bit activations, at twice the integer multiply-adds."""
+    return _linear(2, x, w, bias)
+
+
+def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`planes`: 0 float activations, 1 int8, 2 two int8 planes."""
     if x.dim() != 2:
-        return _linear(int8, x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
+        return _linear(planes, x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
     if not x.is_contiguous():
         x = x.contiguous()
     args = _weight_args(w)
     out = torch.empty(x.shape[0], args[1].value * PANEL)
     if x.shape[0]:
-        kernel = library().qlinear_q8 if int8 else library().qlinear
-        status = kernel(x.data_ptr(), x.shape[0], *args, bias if bias is None else bias.data_ptr(),
-                        out.data_ptr())
+        lib, b = library(), bias if bias is None else bias.data_ptr()
+        if planes:
+            status = lib.qlinear_q8(x.data_ptr(), x.shape[0], *args, b, out.data_ptr(), planes)
+        else:
+            status = lib.qlinear(x.data_ptr(), x.shape[0], *args, b, out.data_ptr())
         if status:  # qlinear_q8 only: its activation buffer could not be allocated
             raise MemoryError(f"quantized linear: no memory for {x.shape[0]} rows of {w.k} activations")
     return out if out.shape[1] == w.n else out[:, : w.n]

@@ -15,7 +15,7 @@
 void qlinear(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
              const uint16_t *z, int64_t bits, const float *bias, float *y);
 int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
-                   const uint16_t *z, int64_t bits, const float *bias, float *y);
+                   const uint16_t *z, int64_t bits, const float *bias, float *y, int64_t planes);
 void add_rms_norm(const float *x, float *residual, const float *weight, float eps, int64_t t, int64_t d,
                   float *out);
 void silu_and_mul(const float *gate_up, int64_t t, int64_t n, float *out);
@@ -46,7 +46,7 @@ typedef struct {
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, kv_half;
-    int64_t int8_act; /* the linears quantize their inputs to int8 (qdot.c) */
+    int64_t int8_act; /* the linears quantize their inputs: 0 no, 1 to int8, 2 to two int8 planes (qdot.c) */
     float eps, scale;
     const float *final_norm;
 } Shape;
@@ -100,7 +100,8 @@ int64_t stack_layout(int64_t *out, int64_t cap) {
 
 /* Returns nonzero when out of memory. */
 static int64_t linear(const Shape *sh, const QLinear *w, const float *x, int64_t t, float *y) {
-    if (sh->int8_act) return qlinear_q8(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y);
+    if (sh->int8_act) return qlinear_q8(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y,
+                                        sh->int8_act);
     qlinear(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y);
     return 0;
 }
