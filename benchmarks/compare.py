@@ -32,7 +32,7 @@ from benchmarks.servers import Server, llama_server_command, ours_command  # noq
 class Workload:
     name: str
     bench: BenchConfig
-    servers: tuple[str, ...] = ("ours", "llama")
+    servers: tuple[str, ...] = ("ours", "ours-int16", "llama")
 
 
 def workloads(num_prompts_scale: float) -> list[Workload]:
@@ -46,7 +46,7 @@ def workloads(num_prompts_scale: float) -> list[Workload]:
         Workload("c16 512/128", replace(base, concurrency=16, num_prompts=n(32), input_len=512)),
         Workload("c16 shared 400+64/128", replace(base, concurrency=16, num_prompts=16, warmup=0,
                                                  dataset="shared-prefix", prefix_len=400, input_len=64),
-                 servers=("ours", "ours-no-prefix-cache", "llama")),
+                 servers=("ours", "ours-int16", "ours-no-prefix-cache", "llama")),
     ]
 
 
@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of prompts")
     p.add_argument("--only", action="append", default=None, help="run only workloads containing this")
-    p.add_argument("--servers", default="ours,llama,ours-no-prefix-cache")
+    p.add_argument("--servers", default="ours,llama,ours-no-prefix-cache",
+                   help="comma list of ours, ours-int16, ours-no-prefix-cache, llama")
     p.add_argument("--ours-arg", action="append", default=[], help="extra pypto-serving flag (repeatable)")
     p.add_argument("--json", dest="json_path", default=None)
     return p
@@ -151,6 +152,7 @@ def start_servers(args: argparse.Namespace, model: str) -> dict[str, Server]:
     commands = {
         "ours": lambda: ours_command(model, args.ours_arg),
         "ours-no-prefix-cache": lambda: ours_command(model, [*args.ours_arg, "--no-enable-prefix-caching"]),
+        "ours-int16": lambda: ours_command(model, [*args.ours_arg, "--activation-quantization", "int16"]),
         "llama": lambda: llama_server_command(model, args.llama_server, args.threads),
     }
     servers = {}

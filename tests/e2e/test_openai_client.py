@@ -33,13 +33,14 @@ def test_completion(client: openai.OpenAI):
 
 
 def test_chat_answers(client: openai.OpenAI):
-    # SmolLM2-135M is on a knife's edge for some phrasings: "What is the capital of France?"
-    # gets "L'Etoile, la femme, ..." from llama.cpp's Q8 activations and from ours, and
-    # "Paris" from exact float activations. This phrasing gets "The capital of France is
-    # Paris." from all three.
+    # SmolLM2-135M is on a knife's edge for some phrasings: for "What is the capital of
+    # France?" the exact path's top two first tokens are 0.09 logits apart, for "Which city
+    # is the capital of France?" 0.03, so int8 activations (ours, llama.cpp's) may start
+    # "L'Etoile" or "Le Grand Chateau" instead. This phrasing leads by 1.1 logits on every
+    # path and gets "The capital of France is Paris."
+    question = "What is the capital of France? Answer with the city name."
     out = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Which city is the capital of France?"}],
-        max_tokens=24, temperature=0)
+        model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0)
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
     assert "Paris" in out.choices[0].message.content
