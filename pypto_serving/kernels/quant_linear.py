@@ -6,8 +6,10 @@ Levels are stored in "quads": for each 4 consecutive k, the 4 levels of a row si
 (32 bits, which one vpmaddubsw + vpmaddwd sums against 4 activations), rows 0..7 then rows
 8..15, so the int8 kernels load a panel as it is stored:
   int8: symmetric, q in [-127, 127], zero 0 (exact for GGUF Q8_0 weights);
-  int4: asymmetric, q in [0, 15], zero = group minimum (exact for GGUF Q4_1 weights, whose
-        groups span their 16 levels; `pack` reports how far any weight moved).
+  int4: asymmetric, q in [0, 15], zero = group minimum, the step that of the grid the
+        group's weights already lie on where they do (GGUF Q4_1, Q4_K, Q5_K sub-blocks that
+        use at most 16 levels: exact up to the fp16 scale), else (max - min) / 15; `pack`
+        reports how far any weight moved.
 The portable matmul dequantizes to fp32 and calls F.linear; it is the reference the fast
 kernels are tested against.
 """
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 PANEL = 16
 GROUP = 32
 LEVELS = {4: 15, 8: 127}
+GRID_TOLERANCE = 1e-3  # of a step: how far from a level a weight on a grid may be (fp32 rounding)
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)  # identity: kernels cache per weight
@@ -70,11 +73,58 @@ def _q_range(bits: int) -> tuple[int, int]:
 
 def _scale_zero(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 scale and zero per [row, group]; the values the kernel computes with."""
-    if bits == 8:
+    low, high = wg.amin(-1), wg.amax(-1)
+    if bits == 8:  # symmetric; a 5- or 6-bit grid would fit exactly, but the search costs
+        # seconds per large tensor at load for a rounding of 1/16 of such a grid's step
         scale = (wg.abs().amax(-1) / LEVELS[8]).half()
         return scale, torch.zeros_like(scale)
-    low, high = wg.amin(-1), wg.amax(-1)
-    return ((high - low) / LEVELS[4]).half(), low.half()
+    usual = (high - low) / LEVELS[4]
+    step = _grid_step(wg, low, usual, high - low, 0, LEVELS[4])
+    return torch.where(step.isfinite(), step, usual).half(), low.half()
+
+
+def _grid_step(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span: torch.Tensor,
+               lowest: int, highest: int) -> torch.Tensor:
+    """Per [row, group], the step of a grid the weights already lie on, levels counted from
+    `origin` within [lowest, highest] (inf where there is none). GGUF formats put a block's
+    weights on such a grid, often without using every level: a Q4_K or Q5_K sub-block (scale x
+    6-bit sub-scale, minus a minimum) may leave its top levels empty. The step is the `usual`
+    one where it fits (Q4_1 blocks span their 16 levels), else the distance from the origin to
+    the nearest value off it, divided by the level that value sits on (1, 2, ...: each tried
+    only on the groups still without one). A probe of the first rows comes first: a float
+    checkpoint's weights lie on no grid and Q4_1 ones on the usual one, and both skip the
+    search."""
+    probe = slice(0, PROBE_ROWS)
+    found = _search(wg[probe], origin[probe], usual[probe], span[probe], lowest, highest)
+    if not found.isfinite().any() or torch.equal(found, usual[probe]):
+        return torch.full_like(origin, torch.inf)  # no grid, or the usual step's (Q4_1, Q8_0)
+    return _search(wg, origin, usual, span, lowest, highest)
+
+
+PROBE_ROWS = 64
+
+
+def _search(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span: torch.Tensor,
+            lowest: int, highest: int) -> torch.Tensor:
+    shape, groups = origin.shape, wg.shape[-1]
+    w, o, sp = wg.reshape(-1, groups), origin.reshape(-1, 1), span.reshape(-1, 1)
+    offsets = (w - o).abs()
+    nearest = torch.where(offsets > sp * 1e-3, offsets, torch.inf).amin(-1, keepdim=True)
+    found = torch.full((w.shape[0],), torch.inf)
+    todo = torch.arange(w.shape[0])
+    # the largest step that fits wins: candidates from the largest down, each tried only on the
+    # groups no larger one fitted
+    for candidate in (usual.reshape(-1, 1), *(nearest / level for level in range(1, highest + 1))):
+        whole = len(todo) == w.shape[0]  # no copy of the whole weight on the first pass
+        step = candidate if whole else candidate[todo]
+        levels = ((w - o) if whole else (w[todo] - o[todo])) / step
+        fits = ((levels - levels.round()).abs() < GRID_TOLERANCE).all(-1) & \
+            (levels.amax(-1) < highest + GRID_TOLERANCE) & (levels.amin(-1) > lowest - GRID_TOLERANCE)
+        found[todo[fits]] = step[fits].squeeze(-1)
+        todo = todo[~fits]
+        if not len(todo):
+            break
+    return found.view(shape)
 
 
 def _panel_q(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -207,3 +207,17 @@ def test_int16_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     together = quant_linear_cpu_q16(x, packed)
     alone = torch.cat([quant_linear_cpu_q16(x[i : i + 1], packed) for i in range(41)])
     assert torch.equal(together, alone)
+
+
+def test_gguf_k_grids_pack_onto_their_own_step() -> None:
+    """Q4_K-like sub-blocks (fp16 step, a minimum, top levels unused) pack to int4 within the
+    fp16 scale's rounding; weights on no grid keep the usual half-step rounding."""
+    torch.manual_seed(0)
+    n, k = 32, 256
+    step = (torch.rand(n, k // GROUP, 1) * 0.02 + 0.001).half().float()
+    minimum = (torch.rand(n, k // GROUP, 1) * 0.1).half().float()
+    q4k = (step * torch.randint(0, 13, (n, k // GROUP, GROUP)) - minimum).view(n, k)
+    _, error = pack(q4k, 4)
+    assert error < 0.01
+    _, error = pack(torch.randn(n, k), 4)
+    assert 0.4 < error <= 0.5
