@@ -222,6 +222,13 @@ typedef struct {
     const float *sz;
 } Panel;
 
+/* The next panel's group g (bits cache lines), while this one computes: a decode step's few
+ * rows leave the panels' reads from memory exposed otherwise. */
+INLINE void prefetch_group(const char *next, int64_t g, const int bits) {
+    if (next)
+        for (int l = 0; l < bits; l++) _mm_prefetch(next + (g * bits + l) * 64, _MM_HINT_T0);
+}
+
 /* mr rows of x against one panel: every group sum and accumulator stays in a register. The
  * empty asm keeps GCC from turning each chain of adds into a tree over the group's products
  * (which needs more registers than there are, and spills). */
@@ -247,10 +254,7 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
                 __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]));
             }
         }
-        /* the next panel's group g (bits cache lines), while this one computes: a decode step's
-         * few rows leave the panels' reads from memory exposed otherwise */
-        if (next)
-            for (int l = 0; l < bits; l++) _mm_prefetch(next + (g * bits + l) * 64, _MM_HINT_T0);
+        prefetch_group(next, g, bits);
         const float *sz = p.sz + g * 2 * NB;
         __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
         __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
@@ -292,8 +296,7 @@ INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bi
                 __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]), "+x"(l[r][0]), "+x"(l[r][1]));
             }
         }
-        if (next)
-            for (int n = 0; n < bits; n++) _mm_prefetch(next + (g * bits + n) * 64, _MM_HINT_T0);
+        prefetch_group(next, g, bits);
         const float *sz = p.sz + g * 2 * NB;
         __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
         __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
