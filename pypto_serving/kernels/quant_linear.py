@@ -91,10 +91,11 @@ def _grid_step(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span
     6-bit sub-scale, minus a minimum) may leave its top levels empty. The step is the `usual`
     one where it fits (Q4_1 blocks span their 16 levels), else the distance from the origin to
     the nearest value off it, divided by the level that value sits on (1, 2, ...: each tried
-    only on the groups still without one). A probe of the first rows comes first: a float
+    only on the groups still without one, and only while the step still covers the group's span
+    in `highest` levels). A probe of rows spread over the tensor comes first: a float
     checkpoint's weights lie on no grid and Q4_1 ones on the usual one, and both skip the
-    search."""
-    probe = slice(0, PROBE_ROWS)
+    search. (A group of equal weights "fits" any step; its scale is 0 either way.)"""
+    probe = torch.linspace(0, wg.shape[0] - 1, min(PROBE_ROWS, wg.shape[0])).long()
     found = _search(wg[probe], origin[probe], usual[probe], span[probe], lowest, highest)
     if not found.isfinite().any() or torch.equal(found, usual[probe]):
         return torch.full_like(origin, torch.inf)  # no grid, or the usual step's (Q4_1, Q8_0)
@@ -114,7 +115,12 @@ def _search(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span: t
     todo = torch.arange(w.shape[0])
     # the largest step that fits wins: candidates from the largest down, each tried only on the
     # groups no larger one fitted
-    for candidate in (usual.reshape(-1, 1), *(nearest / level for level in range(1, highest + 1))):
+    candidates = (usual.reshape(-1, 1), *(nearest / level for level in range(1, highest + 1)))
+    for i, candidate in enumerate(candidates):
+        if i >= 1:  # a step too small to cover the span now stays too small: those groups are done
+            todo = todo[(candidate[todo] * (highest - lowest) >= sp[todo] * (1 - GRID_TOLERANCE)).squeeze(-1)]
+            if not len(todo):
+                break
         whole = len(todo) == w.shape[0]  # no copy of the whole weight on the first pass
         step = candidate if whole else candidate[todo]
         levels = ((w - o) if whole else (w[todo] - o[todo])) / step

@@ -110,6 +110,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         float amax = _mm_cvtss_f32(m4);
+        if (amax < 1e-30f) amax = 0.0f; /* a group this small is zeros (and 127 / amax stays finite) */
         d[g] = amax / 127.0f;
         __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i i[4];
@@ -398,8 +399,9 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
         gemv(&rows, k, n_blocks, q, s, z, (int)bits, bias, y);
         return 0;
     }
-    int64_t pass = PASS_BYTES / k / MR * MR;
-    if (pass < MR) pass = MR;
+    const int64_t tile_rows = planes == 2 ? 6 : MR; /* whole tiles of either kind per pass */
+    int64_t pass = PASS_BYTES / (k * planes) / tile_rows * tile_rows;
+    if (pass < tile_rows) pass = tile_rows;
     int failed = 0;
     /* one parallel region: quantize every row, then the passes with no barrier between them */
 #pragma omp parallel reduction(| : failed)
