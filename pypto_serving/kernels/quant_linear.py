@@ -79,14 +79,14 @@ def _scale_zero(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
         scale = (wg.abs().amax(-1) / LEVELS[8]).half()
         return scale, torch.zeros_like(scale)
     usual = (high - low) / LEVELS[4]
-    step = _grid_step(wg, low, usual, high - low, 0, LEVELS[4])
+    step = _grid_step(wg, low, usual, high - low, LEVELS[4])
     return torch.where(step.isfinite(), step, usual).half(), low.half()
 
 
 def _grid_step(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span: torch.Tensor,
-               lowest: int, highest: int) -> torch.Tensor:
+               highest: int) -> torch.Tensor:
     """Per [row, group], the step of a grid the weights already lie on, levels counted from
-    `origin` within [lowest, highest] (inf where there is none). GGUF formats put a block's
+    `origin` within [0, highest] (inf where there is none). GGUF formats put a block's
     weights on such a grid, often without using every level: a Q4_K or Q5_K sub-block (scale x
     6-bit sub-scale, minus a minimum) may leave its top levels empty. The step is the `usual`
     one where it fits (Q4_1 blocks span their 16 levels), else the distance from the origin to
@@ -96,17 +96,17 @@ def _grid_step(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span
     checkpoint's weights lie on no grid and Q4_1 ones on the usual one, and both skip the
     search. (A group of equal weights "fits" any step; its scale is 0 either way.)"""
     probe = torch.linspace(0, wg.shape[0] - 1, min(PROBE_ROWS, wg.shape[0])).long()
-    found = _search(wg[probe], origin[probe], usual[probe], span[probe], lowest, highest)
+    found = _search(wg[probe], origin[probe], usual[probe], span[probe], highest)
     if not found.isfinite().any() or torch.equal(found, usual[probe]):
         return torch.full_like(origin, torch.inf)  # no grid, or the usual step's (Q4_1, Q8_0)
-    return _search(wg, origin, usual, span, lowest, highest)
+    return _search(wg, origin, usual, span, highest)
 
 
 PROBE_ROWS = 64
 
 
 def _search(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span: torch.Tensor,
-            lowest: int, highest: int) -> torch.Tensor:
+            highest: int) -> torch.Tensor:
     shape, groups = origin.shape, wg.shape[-1]
     w, o, sp = wg.reshape(-1, groups), origin.reshape(-1, 1), span.reshape(-1, 1)
     offsets = (w - o).abs()
@@ -118,14 +118,14 @@ def _search(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span: t
     candidates = (usual.reshape(-1, 1), *(nearest / level for level in range(1, highest + 1)))
     for i, candidate in enumerate(candidates):
         if i >= 1:  # a step too small to cover the span now stays too small: those groups are done
-            todo = todo[(candidate[todo] * (highest - lowest) >= sp[todo] * (1 - GRID_TOLERANCE)).squeeze(-1)]
+            todo = todo[(candidate[todo] * highest >= sp[todo] * (1 - GRID_TOLERANCE)).squeeze(-1)]
             if not len(todo):
                 break
         whole = len(todo) == w.shape[0]  # no copy of the whole weight on the first pass
         step = candidate if whole else candidate[todo]
         levels = ((w - o) if whole else (w[todo] - o[todo])) / step
         fits = ((levels - levels.round()).abs() < GRID_TOLERANCE).all(-1) & \
-            (levels.amax(-1) < highest + GRID_TOLERANCE) & (levels.amin(-1) > lowest - GRID_TOLERANCE)
+            (levels.amax(-1) < highest + GRID_TOLERANCE) & (levels.amin(-1) > -GRID_TOLERANCE)
         found[todo[fits]] = step[fits].squeeze(-1)
         todo = todo[~fits]
         if not len(todo):
