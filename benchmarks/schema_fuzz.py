@@ -67,8 +67,12 @@ def bounded(body: object) -> object:
         body["n"] = body["best_of"] = _at_most(body.get("n"), 2)  # best_of must equal n
     if _number(body.get("min_tokens")):  # at most the max tokens
         body["min_tokens"] = min(body["min_tokens"], *(body[name] for name in limits))
+    if body.get("max_tokens") == 0 and body.get("echo") is not True:
+        body["max_tokens"] = SMALL  # 0 only scores an echoed prompt
     if body.get("stream") is not True:
         body.pop("stream_options", None)  # only allowed with stream: true
+    else:
+        body.pop("prompt_logprobs", None)  # not with stream: true
     if "messages" in body and body.get("top_logprobs") and body.get("logprobs") is not True:
         body["logprobs"] = True  # a chat's top_logprobs needs logprobs
     for name in ("prompt", "tokens", "stop_token_ids"):

@@ -5,7 +5,8 @@ mode) drives, with a mailbox others `tell`. Receives (messages/request.py) `Enco
 (from the tokenizer actor), `Tokens` (from the scheduler), `EngineDied` and `TimedOut` (from
 the engine; a timeout also aborts the sequence), all through one dispatch point
 (`_receive`). Sends `Encode` to the tokenizer, `Submit` and `Abort` to the scheduler, and
-yields `Started`, `TextDelta` (with per-token logprobs when asked), `Finished` events.
+yields `Started`, `Echo` (the prompt, when asked), `TextDelta` (with per-token logprobs when
+asked), `Finished` events.
 State owned: the incremental detokenizer, the stop-string matcher and the reply parser
 (reasoning, tool calls) of its sequence.
 Invariants: no partial stop string, tag or broken UTF-8 character ever leaves; no token id
@@ -29,6 +30,7 @@ from pypto_serving.actors.base import unknown
 from pypto_serving.core.request import (
     INVALID_MODEL_OUTPUT,
     TIMEOUT,
+    Echo,
     Finished,
     GenerateRequest,
     InvalidRequest,
@@ -47,7 +49,7 @@ from pypto_serving.parsers.grammar import Grammars
 from pypto_serving.parsers.reply import ReplyDelta, ReplyEnd, ReplyParser
 from pypto_serving.tokenizer.detokenizer import IncrementalDetokenizer
 from pypto_serving.tokenizer.encode import too_long_message
-from pypto_serving.tokenizer.logprobs import token_logprobs
+from pypto_serving.tokenizer.logprobs import prompt_logprobs, token_logprobs
 from pypto_serving.tokenizer.stop import StopMatcher
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
@@ -97,7 +99,7 @@ class RequestStream:
             case msg:
                 unknown(self, msg)
 
-    async def events(self) -> AsyncIterator[Started | TextDelta | Finished]:
+    async def events(self) -> AsyncIterator[Started | Echo | TextDelta | Finished]:
         """Raises InvalidRequest before the first event when the request cannot run."""
         await self._check_grammar()
         encoded = await self._encode()
@@ -112,7 +114,8 @@ class RequestStream:
         self._submit(prompt_ids, max_tokens)
         try:  # from here on the sequence exists: closing the stream at any point aborts it
             yield Started(len(prompt_ids), max_tokens)
-            async for event in self._generate(prompt_ids, ReplyParser(self.request.reply, prompt_text)):
+            async for event in self._generate(prompt_ids, prompt_text,
+                                              ReplyParser(self.request.reply, prompt_text)):
                 yield event
         finally:
             if not self._done:  # the client went away, or the stream was closed early
@@ -188,8 +191,8 @@ class RequestStream:
         return msgspec.structs.replace(sampling, min_tokens=min(sampling.min_tokens, max_tokens),
                                        eos_token_ids=tuple(sorted(banned)))
 
-    async def _generate(self, prompt_ids: tuple[int, ...],
-                        parser: ReplyParser) -> AsyncIterator[TextDelta | Finished]:
+    async def _generate(self, prompt_ids: tuple[int, ...], prompt_text: str,
+                        parser: ReplyParser) -> AsyncIterator[Echo | TextDelta | Finished]:
         detok = IncrementalDetokenizer(self.tokenizer, list(prompt_ids))
         stop = StopMatcher(list(self.request.stop))
         count = 0
@@ -197,6 +200,8 @@ class RequestStream:
             msg = await self._receive()
             if not isinstance(msg, Tokens):
                 unknown(self, msg)
+            if count == 0 and (self.request.echo or self.request.sampling.prompt_logprobs is not None):
+                yield self._echo(prompt_ids, prompt_text, msg)
             count += len(msg.token_ids)
             self._generated = count
             text, stopped = stop.push(detok.push(list(msg.token_ids)))
@@ -226,6 +231,14 @@ class RequestStream:
         if not stopped:
             text += stop.flush()
         return text, stop.stopped
+
+    def _echo(self, prompt_ids: tuple[int, ...], prompt_text: str, msg: Tokens) -> Echo:
+        """The prompt as text (decoded when it came as token ids) and its logprobs."""
+        if isinstance(self.request.prompt, tuple):
+            prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+        if self.request.sampling.prompt_logprobs is None:
+            return Echo(prompt_text)
+        return Echo(prompt_text, prompt_logprobs(self.tokenizer, prompt_ids, msg.prompt_logprobs))
 
     def _logprobs(self, msg: Tokens) -> tuple[TokenLogprob, ...]:
         if self.request.sampling.logprobs is None or not msg.token_ids:

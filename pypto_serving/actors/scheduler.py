@@ -146,6 +146,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
                 reply_to.tell(Tokens(
                     event.seq.seq_id, (event.token_id,), event.finish_reason,
                     logprobs=(event.logprob,), top_logprobs=(event.top_logprobs,),
+                    prompt_logprobs=event.prompt_logprobs,
                     num_cached_tokens=event.seq.num_cached_tokens or 0))
 
     def _observe(self, event: TokenEvent, now: float) -> None:

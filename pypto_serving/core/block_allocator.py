@@ -31,6 +31,9 @@ class Demand:
     num_computed: int = 0
     prompt_ids: tuple[int, ...] | None = None
     total_tokens: int = 0  # new sequences: every known token (prompt plus earlier outputs)
+    # new sequences: whether cached blocks may stand in for computing (not when every prompt
+    # position's logits are wanted)
+    use_cache: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +144,7 @@ class BlockAllocator:
 
     def _admit(self, demand: Demand) -> Grant | None:
         hashes = chain_hashes(demand.prompt_ids, self.block_size)
-        hits = self._match(hashes, demand.total_tokens)
+        hits = self._match(hashes, demand.total_tokens) if demand.use_cache else []
         num_cached = len(hits) * self.block_size
         end = min(demand.total_tokens, num_cached + demand.num_tokens)
         need = self.blocks_for(end) - len(hits)

@@ -65,6 +65,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     reply: ReplyFormat = ReplyFormat()  # reasoning and tool-call parsing of the output
     grammar_param: str | None = None  # the field that asked for `sampling.grammar`
+    echo: bool = False  # the prompt's text comes back first (`Echo`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,29 @@ class TokenLogprob:
 
     chosen: Candidate
     top: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token and how likely the model found it after the tokens before it: its
+    logprob, its rank among all tokens (1: the most likely) and the top candidates there.
+    The first token has nothing before it: logprob and rank None."""
+
+    token_id: int
+    text: str
+    utf8: bytes
+    logprob: float | None
+    rank: int | None
+    top: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """Before the first generated text, when the request asked for `echo` or prompt logprobs:
+    the prompt's text and (with prompt logprobs) one entry per prompt token."""
+
+    text: str
+    logprobs: tuple[PromptLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
     temperature 0 means greedy; top_k 0 means no top-k cut; logprobs None means none
     are returned, 0 means the chosen token's logprob only, k > 0 adds the top k.
+    prompt_logprobs is the same for the prompt's tokens (each given the tokens before it).
     grammar is an llguidance grammar string (see pypto_serving/grammar.py); the sampler only
     picks tokens it accepts, and EOS once it is complete. None means unconstrained.
     """
@@ -25,6 +26,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: str | None = None
 
     @property

@@ -16,7 +16,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
+
 from pypto_serving.core.block_allocator import Allocation, BlockAllocator, Demand, Grant
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.core.sequence import SeqStatus, Sequence
 from pypto_serving.messages.worker import ScheduledSeq, StepPlan, StepResult
 
@@ -39,6 +42,7 @@ class TokenEvent:
     finish_reason: str | None
     logprob: float = 0.0
     top_logprobs: tuple = ()
+    prompt_logprobs: tuple = ()  # with a sequence's first token: its prompt's scores, when asked
 
 
 class Scheduler:
@@ -137,7 +141,8 @@ class Scheduler:
             if n <= 0 or (not self.config.enable_chunked_prefill and n < seq.num_tokens):
                 break
             budget -= n
-            demands.append(Demand(seq.seq_id, n, 0, seq.prompt_ids, seq.num_tokens))
+            demands.append(Demand(seq.seq_id, n, 0, seq.prompt_ids, seq.num_tokens,
+                                  use_cache=not seq.wants_prompt_logprobs))
         return demands
 
     def _chunk_cap(self, seq: Sequence) -> int:
@@ -191,8 +196,15 @@ class Scheduler:
             reset=reset,
             prefix_ids=seq.token_slice(0, start) if reset else [],
             num_prompt_tokens=seq.num_prompt_tokens if reset else 0,
-            sampling=seq.sampling if reset else None,
+            sampling=self._sampling(seq) if reset else None,
         )
+
+    @staticmethod
+    def _sampling(seq: Sequence) -> SamplingParams:
+        """A recomputed prompt is not scored again once its scores are out."""
+        if seq.sampling.prompt_logprobs is None or seq.wants_prompt_logprobs:
+            return seq.sampling
+        return msgspec.structs.replace(seq.sampling, prompt_logprobs=None)
 
     def apply(self, result: StepResult) -> list[TokenEvent]:
         """Applies the step in flight's tokens; sequences that ended free their blocks."""
@@ -204,6 +216,11 @@ class Scheduler:
             seq = self._by_id.get(seq_id)
             if seq is not None and seq.status is SeqStatus.RUNNING:
                 seq.computed(n)
+        for scored in result.prompt_logprobs:
+            seq = self._by_id.get(scored.seq_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING and seq.wants_prompt_logprobs:
+                seq.score_prompt(scored.first, list(zip(scored.logprobs, scored.ranks, scored.top,
+                                                        strict=True)))
         events = []
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids, strict=True)):
             seq = self._by_id.get(seq_id)
@@ -219,7 +236,8 @@ class Scheduler:
             self._end(seq, reason)
         logprob = result.logprobs[i] if result.logprobs else 0.0
         top = tuple(result.top_logprobs[i]) if result.top_logprobs else ()
-        return TokenEvent(seq, token, reason, logprob, top)
+        prompt, seq.prompt_scores = tuple(seq.prompt_scores), []
+        return TokenEvent(seq, token, reason, logprob, top, prompt)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)

@@ -35,6 +35,14 @@ class Sequence:
     num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    # (logprob, rank, top-k) of prompt tokens 1, 2, ... as steps score them, until the first
+    # output token takes them along
+    prompt_scores: list[tuple[float, int, list]] = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt is still being scored: the request asked and no token came yet."""
+        return self.sampling.prompt_logprobs is not None and not self.output_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,6 +92,13 @@ class Sequence:
     def computed(self, n: int) -> None:
         """`n` more tokens have their KV in the cache (a step ran)."""
         self.num_computed += n
+
+    def score_prompt(self, first: int, scores: list[tuple[float, int, list]]) -> None:
+        """Scores of prompt tokens `first`, `first + 1`, ...; those already known (a
+        preempted sequence being recomputed) are skipped."""
+        skip = 1 + len(self.prompt_scores) - first
+        if 0 <= skip < len(scores):
+            self.prompt_scores.extend(scores[skip:])
 
     def append_token(self, token_id: int) -> None:
         self.output_ids.append(token_id)

@@ -59,12 +59,10 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 class Unimplemented(msgspec.Struct, kw_only=True):
     """Known options this server does not implement; see UNIMPLEMENTED_DEFAULTS."""
 
-    echo: Any = None
     best_of: Choices | None = None  # must equal n
     logit_bias: Any = None
     use_beam_search: Any = None
     include_stop_str_in_output: Any = None
-    prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     guided_json: Any = None
@@ -111,13 +109,19 @@ class GenerateFields(Unimplemented, kw_only=True):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    # vLLM's: the prompt tokens' logprobs and top k (not with stream)
+    prompt_logprobs: LogprobCount | None = None
 
 
 class CompletionBody(GenerateFields, kw_only=True):
-    """POST /v1/completions. EOS never ends a text completion."""
+    """POST /v1/completions. EOS never ends a text completion. `echo` puts the prompt before
+    the completion (in `logprobs` too); with it `max_tokens` may be 0: the prompt is only
+    scored."""
 
     prompt: str | list[NonNegative | str] = ""  # strings: a batch, refused by name
+    max_tokens: NonNegative | None | UnsetType = UNSET
     logprobs: LogprobCount | None = None
+    echo: bool | None = None
     suffix: Any = None
 
 
@@ -196,6 +200,7 @@ class ChatBody(GenerateFields, kw_only=True):
     continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
+    echo: Any = None  # vLLM's chat echo (of the last message)
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -254,7 +259,6 @@ UNIMPLEMENTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "use_beam_search": (None, False),
     "include_stop_str_in_output": (None, False),
-    "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "guided_json": (None,),
@@ -275,3 +279,12 @@ UNIMPLEMENTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),
     "documents": (None,),
 }
+
+# Fields of UNIMPLEMENTED_DEFAULTS that one body implements after all.
+IMPLEMENTED_BY: dict[str, frozenset[str]] = {"CompletionBody": frozenset({"echo"})}
+
+
+def unimplemented_defaults(body_type: type) -> dict[str, tuple[Any, ...]]:
+    """UNIMPLEMENTED_DEFAULTS as `body_type` refuses them."""
+    implemented = IMPLEMENTED_BY.get(body_type.__name__, frozenset())
+    return {f: allowed for f, allowed in UNIMPLEMENTED_DEFAULTS.items() if f not in implemented}

@@ -2,7 +2,9 @@
 
 Above the engine on purpose: each choice is an ordinary request with its own sequence, so
 batching, preemption and aborts need nothing new. With a seed, choice i uses seed + i, so
-every choice is reproducible on its own and the choices differ from one another.
+every choice is reproducible on its own and the choices differ from one another. A request
+that only scores its prompt (`echo` with max_tokens 0) still samples one token per choice;
+its streams drop it here.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 
 from pypto_serving.actors.engine import Engine
-from pypto_serving.core.request import Finished, GenerateRequest, Started, TextDelta
+from pypto_serving.core.request import Echo, Finished, GenerateRequest, Started, TextDelta
 
-Event = Started | TextDelta | Finished
+Event = Started | Echo | TextDelta | Finished
 _SEED_SPACE = 1 << 64  # torch generators take seeds modulo 2**64
 
 
@@ -37,8 +39,9 @@ class ChoiceStreams:
     """The event streams of one request's choices. `close()` must follow, whatever happens:
     it aborts every choice that has not finished, which frees its KV blocks."""
 
-    def __init__(self, engine: Engine, requests: Sequence[GenerateRequest]):
+    def __init__(self, engine: Engine, requests: Sequence[GenerateRequest], echo_only: bool = False):
         self._streams = [engine.generate(r) for r in requests]
+        self._echo_only = echo_only
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
 
@@ -53,7 +56,7 @@ class ChoiceStreams:
                 raise result
         return list(results)
 
-    async def events(self) -> AsyncIterator[tuple[int, TextDelta | Finished]]:
+    async def events(self) -> AsyncIterator[tuple[int, Echo | TextDelta | Finished]]:
         """Events of all choices as they come, until every choice has finished."""
         loop = asyncio.get_running_loop()
         self._pumps = [loop.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
@@ -63,6 +66,10 @@ class ChoiceStreams:
             if isinstance(event, BaseException):
                 raise event
             running -= isinstance(event, Finished)
+            if self._echo_only and isinstance(event, TextDelta):
+                continue
+            if self._echo_only and isinstance(event, Finished) and event.finish_reason != "error":
+                event = dataclasses.replace(event, finish_reason="length", completion_tokens=0)
             yield index, event
 
     async def _pump(self, index: int, stream: AsyncIterator[Event]) -> None:

@@ -17,11 +17,11 @@ import msgspec
 from pypto_serving.http import responses as r
 from pypto_serving.http.bodies import (
     RESERVED_TEMPLATE_KWARGS,
-    UNIMPLEMENTED_DEFAULTS,
     ChatBody,
     CompletionBody,
     DetokenizeBody,
     TokenizeBody,
+    unimplemented_defaults,
 )
 from pypto_serving.http.responses_api import Response, ResponsesBody
 
@@ -106,9 +106,9 @@ _INPUT_ITEM = {"anyOf": [
 def _unstated_rules(schemas: dict[str, Any]) -> None:
     """What protocol.py and responses_api.py refuse with messages of their own rather than
     leave to msgspec's."""
-    for name in ("CompletionBody", "ChatBody"):
-        fields = schemas[name]["properties"]
-        for field, allowed in UNIMPLEMENTED_DEFAULTS.items():
+    for body in (CompletionBody, ChatBody):
+        fields = schemas[body.__name__]["properties"]
+        for field, allowed in unimplemented_defaults(body).items():
             if field in fields and field != "best_of":
                 fields[field] = {"enum": list(allowed), "default": None,
                                  "description": "not implemented: only its default is accepted"}

@@ -27,7 +27,6 @@ from pypto_serving.http.bodies import (
     REASONING_EFFORTS,
     RESERVED_TEMPLATE_KWARGS,
     ROLES,
-    UNIMPLEMENTED_DEFAULTS,
     ChatBody,
     CompletionBody,
     GenerateFields,
@@ -35,6 +34,7 @@ from pypto_serving.http.bodies import (
     NamedToolChoice,
     TokenizeBody,
     ints,
+    unimplemented_defaults,
     whole_fields,
 )
 from pypto_serving.http.bodies import ToolCall as MessageToolCall
@@ -77,6 +77,8 @@ class Parsed:
     stream: bool
     final_usage: bool = True  # a stream ends with a usage event (`include_usage: false`: not)
     running_usage: bool = False  # every chunk carries usage (`continuous_usage_stats`)
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field is in the response
+    echo_only: bool = False  # `echo` with max_tokens 0: the prompt, scored, and no completion
 
 
 def decode_body(raw: bytes, body_type: type) -> Any:
@@ -183,7 +185,7 @@ def _check_options(body: GenerateFields, defaults: GenerateDefaults) -> dict[str
 
 
 def _refuse_unimplemented(body: GenerateFields) -> None:
-    for field, allowed in UNIMPLEMENTED_DEFAULTS.items():
+    for field, allowed in unimplemented_defaults(type(body)).items():
         value = getattr(body, field, None)
         if field != "best_of" and not any(_same(value, a) for a in allowed):
             default = msgspec.json.encode(allowed[-1]).decode()
@@ -205,7 +207,8 @@ def _wants_stream(body: GenerateFields, defaults: GenerateDefaults) -> bool:
     return stream
 
 
-def _sampling(body: GenerateFields, defaults: GenerateDefaults, logprobs: int | None) -> SamplingParams:
+def _sampling(body: GenerateFields, defaults: GenerateDefaults, logprobs: int | None,
+              prompt_logprobs: int | None) -> SamplingParams:
     temperature = _or(_pick(body.temperature, defaults.temperature), 1.0)
     top_k = _or(_pick(body.top_k, defaults.top_k), 0)
     return SamplingParams(
@@ -219,6 +222,7 @@ def _sampling(body: GenerateFields, defaults: GenerateDefaults, logprobs: int | 
         repetition_penalty=_or(body.repetition_penalty, 1.0),
         min_tokens=_or(body.min_tokens, 0),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -236,15 +240,17 @@ def _check_min_tokens(body: GenerateFields, max_tokens: int | None) -> None:
 
 def _generate_request(prefix: str, prompt: Any, body: GenerateFields, defaults: GenerateDefaults,
                       max_tokens: int | None, logprobs: int | None, ignore_eos: bool,
-                      forced: tuple[str, str] | None = None) -> GenerateRequest:
+                      forced: tuple[str, str] | None = None,
+                      prompt_logprobs: int | None = None) -> GenerateRequest:
     """`forced`: (grammar, field) when a field other than response_format constrains the output."""
     _check_min_tokens(body, max_tokens)
     grammar, param = forced or (_response_format(body), "response_format")
+    sampling = _sampling(body, defaults, logprobs, _or(prompt_logprobs, body.prompt_logprobs))
     return GenerateRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt=prompt,
         max_tokens=max_tokens,
-        sampling=msgspec.structs.replace(_sampling(body, defaults, logprobs), grammar=grammar),
+        sampling=msgspec.structs.replace(sampling, grammar=grammar),
         stop=_stops(body, defaults),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=ignore_eos,
@@ -264,11 +270,28 @@ def parse_completion(body: CompletionBody, defaults: GenerateDefaults) -> Parsed
     if isinstance(prompt, list) and not all(type(t) is int for t in prompt):
         raise InvalidRequest("'prompt' must be one string or one list of token ids; "
                              "batches of prompts are not supported", "prompt")
-    max_tokens = _max_tokens(body, defaults)
+    max_tokens, echo = _max_tokens(body, defaults), bool(body.echo)
+    if max_tokens == 0 and not echo:
+        raise InvalidRequest("'max_tokens' must be at least 1 (0 only scores the prompt, with "
+                             "'echo': true)", "max_tokens")
+    _check_prompt_logprobs(body, options["stream"])
+    # With echo, `logprobs` covers the prompt's tokens too.
+    scored = max((k for k in (body.prompt_logprobs, body.logprobs if echo else None) if k is not None),
+                 default=None)
     # Text completions run to max_tokens, a stop string or the context end: EOS is ignored.
+    # Scoring only still samples one token (the step that scores the prompt's end samples).
     request = _generate_request("cmpl", tuple(prompt) if isinstance(prompt, list) else prompt,
-                                body, defaults, max_tokens, body.logprobs, ignore_eos=True)
-    return Parsed(request, **options)
+                                body, defaults, max_tokens or 1, body.logprobs, ignore_eos=True,
+                                prompt_logprobs=scored)
+    return Parsed(dataclasses.replace(request, echo=echo), **options,
+                  prompt_logprobs=body.prompt_logprobs, echo_only=max_tokens == 0)
+
+
+def _check_prompt_logprobs(body: GenerateFields, stream: bool) -> None:
+    if body.prompt_logprobs is not None and stream:
+        raise InvalidRequest("'prompt_logprobs' is not available with 'stream': true (with "
+                             "'echo', completions stream the prompt's logprobs in 'logprobs')",
+                             "prompt_logprobs")
 
 
 def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers | None = None) -> Parsed:
@@ -278,6 +301,7 @@ def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = _or(body.top_logprobs, 0) if body.logprobs else None
+    _check_prompt_logprobs(body, options["stream"])
     chat = ChatInput(_messages(body.messages), tuple(tools) or None, _template_kwargs(body),
                      body.add_generation_prompt)
     request = _generate_request("chatcmpl", chat, body, defaults, _chat_max_tokens(body, defaults),
@@ -288,7 +312,8 @@ def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers
         tool_parser=parsers.tool_parser if tools else None,
         tool_names=frozenset(t["function"]["name"] for t in tools),
         parallel_tool_calls=_or(body.parallel_tool_calls, True))
-    return Parsed(dataclasses.replace(request, reply=reply), **options)
+    return Parsed(dataclasses.replace(request, reply=reply), **options,
+                  prompt_logprobs=body.prompt_logprobs)
 
 
 def parse_tokenize(body: TokenizeBody) -> tuple[str | ChatInput, bool | None]:

@@ -14,7 +14,15 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pypto_serving.core.request import TIMEOUT, Candidate, Finished, TextDelta, TokenLogprob
+from pypto_serving.core.request import (
+    TIMEOUT,
+    Candidate,
+    Echo,
+    Finished,
+    PromptLogprob,
+    TextDelta,
+    TokenLogprob,
+)
 from pypto_serving.http import responses as r
 from pypto_serving.parsers.tool_calls import ToolCall, ToolCallDelta
 
@@ -42,6 +50,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    echo: Echo | None = None
     done: Finished | None = None
 
     def add(self, delta: TextDelta) -> None:
@@ -62,29 +71,51 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> r.ChatLogprobs:
     ])
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> r.CompletionLogprobs:
-    """`offset`: characters of this choice's text before these tokens (earlier chunks)."""
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0,
+                        prompt: Sequence[PromptLogprob] = (), k: int = 0) -> r.CompletionLogprobs:
+    """`offset`: characters of this choice's text before these tokens (earlier chunks);
+    `prompt`: the echoed prompt's tokens, first (with their top `k`)."""
+    rows = [(p.text, p.logprob, None if p.logprob is None else
+             {c.text: c.logprob for c in p.top[:k]} | {p.text: p.logprob}) for p in prompt]
+    rows += [(e.chosen.text, e.chosen.logprob, {c.text: c.logprob for c in (*e.top, e.chosen)})
+             for e in entries]
     offsets = []
-    for e in entries:
+    for text, _, _ in rows:
         offsets.append(offset)
-        offset += len(e.chosen.text)
-    tops = [{c.text: c.logprob for c in (*e.top, e.chosen)} for e in entries]
-    return r.CompletionLogprobs([e.chosen.text for e in entries],
-                                [e.chosen.logprob for e in entries], tops, offsets)
+        offset += len(text)
+    return r.CompletionLogprobs([t for t, _, _ in rows], [lp for _, lp, _ in rows],
+                                [top for _, _, top in rows], offsets)
+
+
+def vllm_prompt_logprobs(entries: Sequence[PromptLogprob], k: int) -> r.PromptLogprobsOut:
+    """vLLM's `prompt_logprobs`: per token, its own entry and the top `k`'s, by token id."""
+    out: r.PromptLogprobsOut = []
+    for p in entries:
+        if p.logprob is None:
+            out.append(None)
+            continue
+        top = {c.token_id: r.PromptTokenLogprob(c.logprob, rank, c.text)
+               for rank, c in enumerate(p.top[:k], 1)}
+        out.append(top | {p.token_id: r.PromptTokenLogprob(p.logprob, p.rank, p.text)})
+    return out
 
 
 class Renderer:
     """Builds the bodies of one response. `logprobs`: None when the request asked for none;
     `running_usage`: every streamed chunk carries its choice's usage so far
-    (`stream_options.continuous_usage_stats`, as vLLM)."""
+    (`stream_options.continuous_usage_stats`, as vLLM); `echo`: a completion's text (and
+    logprobs) start with the prompt's; `prompt_logprobs`: vLLM's field of that name, with
+    the top k."""
 
     def __init__(self, request_id: str, model: str, chat: bool, logprobs: int | None = None,
-                 running_usage: bool = False):
+                 running_usage: bool = False, echo: bool = False, prompt_logprobs: int | None = None):
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.logprobs = logprobs
         self.running_usage = running_usage
+        self.echo = echo
+        self.prompt_logprobs = prompt_logprobs
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # streamed completions: text_offset per choice
         self._prompt_tokens = 0
@@ -110,7 +141,8 @@ class Renderer:
         total = usage([c.done for c in choices])
         if self.chat:
             return r.ChatResponse(object="chat.completion", usage=total, **self._head(),
-                                  choices=[self._chat_choice(i, c) for i, c in enumerate(choices)])
+                                  choices=[self._chat_choice(i, c) for i, c in enumerate(choices)],
+                                  prompt_logprobs=self._vllm_prompt_logprobs(choices[0]))
         return r.CompletionResponse(object="text_completion", usage=total, **self._head(),
                                     choices=[self._text_choice(i, c) for i, c in enumerate(choices)])
 
@@ -124,15 +156,33 @@ class Renderer:
                             http_finish_reason(c.done.finish_reason))
 
     def _text_choice(self, index: int, c: Choice) -> r.CompletionChoice:
-        return r.CompletionChoice(index, "".join(c.text), self._completion_logprobs(c.logprobs, 0),
-                                  http_finish_reason(c.done.finish_reason))
+        echoed = c.echo if self.echo and c.echo is not None else Echo("")
+        return r.CompletionChoice(index, echoed.text + "".join(c.text),
+                                  self._completion_logprobs(c.logprobs, 0, echoed.logprobs),
+                                  http_finish_reason(c.done.finish_reason), self._vllm_prompt_logprobs(c))
+
+    def _vllm_prompt_logprobs(self, c: Choice) -> r.PromptLogprobsOut | None:
+        if self.prompt_logprobs is None or c.echo is None:
+            return None
+        return vllm_prompt_logprobs(c.echo.logprobs, self.prompt_logprobs)
 
     def _chat_logprobs(self, entries: Sequence[TokenLogprob]) -> r.ChatLogprobs | None:
         return None if self.logprobs is None else chat_logprobs(entries)
 
-    def _completion_logprobs(self, entries: Sequence[TokenLogprob],
-                             offset: int) -> r.CompletionLogprobs | None:
-        return None if self.logprobs is None else completion_logprobs(entries, offset)
+    def _completion_logprobs(self, entries: Sequence[TokenLogprob], offset: int,
+                             prompt: Sequence[PromptLogprob] = ()) -> r.CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        return completion_logprobs(entries, offset, prompt, self.logprobs)
+
+    def echo_chunk(self, index: int, echo: Echo) -> r.CompletionResponse | None:
+        """A streamed completion's first chunk with `echo`: the prompt (and its logprobs)."""
+        if self.chat or not self.echo:
+            return None
+        self._offsets[index] = sum(len(p.text) for p in echo.logprobs)
+        choice = r.CompletionChoice(index, echo.text, self._completion_logprobs((), 0, echo.logprobs), None)
+        return r.CompletionResponse(object="text_completion", choices=[choice], usage=self._running(index),
+                                    **self._head())
 
     def role_chunk(self, index: int) -> r.ChatChunk:
         """The first chunk of each chat choice: it carries the role, once."""

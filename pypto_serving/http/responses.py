@@ -45,19 +45,34 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """Per token: its text, logprob, {text: logprob} of the top candidates, and its offset."""
+    """Per token: its text, logprob, {text: logprob} of the top candidates, and its offset.
+    With `echo` the prompt's tokens come first; the very first has no logprob (null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
-class CompletionChoice(msgspec.Struct):
+class PromptTokenLogprob(msgspec.Struct):
+    """vLLM's shape: a token's logprob, rank (1: the most likely) and text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, {token id: logprob} of it and the top k (the
+# first token: null).
+PromptLogprobsOut = list[dict[int, PromptTokenLogprob] | None]
+
+
+class CompletionChoice(msgspec.Struct, omit_defaults=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class CompletionResponse(msgspec.Struct, omit_defaults=True):
@@ -98,13 +113,14 @@ class ChatChoice(msgspec.Struct):
     finish_reason: FinishReason | None
 
 
-class ChatResponse(msgspec.Struct):
+class ChatResponse(msgspec.Struct, omit_defaults=True):
     id: str
     object: Literal["chat.completion"]
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsOut | None = None  # when the request asked (vLLM's)
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):

@@ -22,6 +22,7 @@ from pypto_serving.actors.engine import Engine
 from pypto_serving.core.generate_config import GenerateDefaults
 from pypto_serving.core.request import (
     INVALID_MODEL_OUTPUT,
+    Echo,
     Finished,
     InvalidRequest,
     Refused,
@@ -139,8 +140,9 @@ class Handlers:
         gen = parsed.request
         self.engine.metrics.observe("request_params_n", parsed.n)
         renderer = Renderer(gen.request_id, body.model or self.served_name, chat, gen.sampling.logprobs,
-                            running_usage=parsed.running_usage)
-        choices = ChoiceStreams(self.engine, choice_requests(gen, parsed.n))
+                            running_usage=parsed.running_usage, echo=gen.echo,
+                            prompt_logprobs=parsed.prompt_logprobs)
+        choices = ChoiceStreams(self.engine, choice_requests(gen, parsed.n), parsed.echo_only)
         return await self._respond(request, choices, renderer, parsed)
 
     async def _respond(self, request: web.Request, choices: ChoiceStreams, renderer: Renderer,
@@ -160,6 +162,8 @@ class Handlers:
         results = [Choice() for _ in range(len(choices))]
         async for index, event in choices.events():
             match event:
+                case Echo():
+                    results[index].echo = event
                 case TextDelta():
                     results[index].add(event)
                 case Finished():
@@ -196,6 +200,9 @@ class Handlers:
             if isinstance(event, TextDelta):
                 renderer.generated(index, len(event.token_ids))
             match event:
+                case Echo():
+                    if (chunk := renderer.echo_chunk(index, event)) is not None:
+                        await response.write(_sse(chunk))
                 case TextDelta() if event.text or event.reasoning or event.tool_calls:
                     logprobs, held[index] = held[index] + list(event.logprobs), []
                     await response.write(_sse(renderer.chunk(index, event.text, event.reasoning,

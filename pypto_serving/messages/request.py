@@ -32,6 +32,8 @@ class Tokens:
     finish_reason: str | None
     logprobs: tuple[float, ...] = ()
     top_logprobs: tuple[tuple[TopLogprob, ...], ...] = ()
+    # with the first token, when asked: (logprob, rank, top-k) of prompt tokens 1, 2, ...
+    prompt_logprobs: tuple[tuple[float, int, list[TopLogprob]], ...] = ()
     num_cached_tokens: int = 0
     error: str | None = None
 

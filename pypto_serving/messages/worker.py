@@ -161,12 +161,25 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Logprobs of a run of one sequence's prompt tokens, each given the tokens before it:
+    entry i is the token at position `first + i` (first >= 1: the first token has none), its
+    rank among all tokens (1: the most likely) and the top-k list (empty when k is 0)."""
+
+    seq_id: int
+    first: int
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[TopLogprob]]
+
+
 class StepResult(msgspec.Struct, frozen=True, tag=True):
     """Tokens sampled in one step: `token_ids[i]` belongs to `seq_ids[i]`.
 
     `seq_ids` lists exactly the scheduled sequences with `sample` true, in plan order.
     `logprobs[i]` is the chosen token's logprob, when its sequence asked for logprobs
-    (else 0.0); `top_logprobs[i]` its top-k list (empty when not asked).
+    (else 0.0); `top_logprobs[i]` its top-k list (empty when not asked). `prompt_logprobs`
+    covers the prompt tokens this step scored, for the sequences that asked for them.
     """
 
     step_id: int
@@ -174,6 +187,7 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     token_ids: list[int]
     logprobs: list[float] = []
     top_logprobs: list[list[TopLogprob]] = []
+    prompt_logprobs: list[PromptLogprobs] = []
     error: str | None = None
 
 

@@ -11,7 +11,7 @@ import functools
 import re
 from collections.abc import Sequence
 
-from pypto_serving.core.request import Candidate, TokenLogprob
+from pypto_serving.core.request import Candidate, PromptLogprob, TokenLogprob
 from pypto_serving.messages.worker import TopLogprob
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 
@@ -60,4 +60,19 @@ def token_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Seq
         top = tops[i] if i < len(tops) else ()
         out.append(TokenLogprob(candidate(tokenizer, token_id, logprob),
                                 tuple(candidate(tokenizer, t.token_id, t.logprob) for t in top)))
+    return tuple(out)
+
+
+def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                    scores: Sequence[tuple[float, int, Sequence[TopLogprob]]]) -> tuple[PromptLogprob, ...]:
+    """One entry per prompt token; `scores` are those of tokens 1, 2, ... (the first has none)."""
+    out = []
+    for i, token_id in enumerate(prompt_ids):
+        text, utf8 = token_text(tokenizer, token_id)
+        if i == 0 or i > len(scores):
+            out.append(PromptLogprob(token_id, text, utf8, None, None))
+            continue
+        logprob, rank, top = scores[i - 1]
+        out.append(PromptLogprob(token_id, text, utf8, logprob, rank,
+                                 tuple(candidate(tokenizer, t.token_id, t.logprob) for t in top)))
     return tuple(out)

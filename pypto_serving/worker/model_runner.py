@@ -19,6 +19,7 @@ from pypto_serving.loader.hf import count_safetensors, load_safetensors
 from pypto_serving.messages.worker import (
     ModelConfig,
     ModelFormat,
+    PromptLogprobs,
     ScheduledSeq,
     StepPlan,
     StepResult,
@@ -36,6 +37,7 @@ from pypto_serving.worker.kv_cache import (
 )
 from pypto_serving.worker.memory import module_bytes
 from pypto_serving.worker.progress import with_progress
+from pypto_serving.worker.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
 
@@ -110,23 +112,26 @@ class ModelRunner:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.arch.vocab_size)
         batch = prepare(plan.seqs, states, self.block_size, self.device)
         self.backend.after_step(batch.attn.all_decode)
-        logits = self._forward(batch, self.kv_caches)
+        hidden = self._hidden(batch, self.kv_caches)
+        # Only the last token of each sampled chunk goes through lm_head (and, for prompt
+        # logprobs, the prompt rows of the sequences that asked for them).
+        logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
+        prompt = (score_prompts(plan.seqs, states, hidden, self.model.compute_logits)
+                  if wants_prompt_logprobs(plan.seqs, states) else [])
         sampled = [st for s, st in zip(plan.seqs, states, strict=True) if s.sample]
         if not sampled:
-            return StepResult(plan.step_id, [], []), logits
+            return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
         tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars)
         out = sample(logits, tensors, self.backend.argmax)
-        result = step_result(plan.step_id, batch.sample_seq_ids, out, sampled)
+        result = step_result(plan.step_id, batch.sample_seq_ids, out, sampled, prompt)
         advance([st.matcher for st in sampled], result.token_ids)
         return result, logits
 
-    def _forward(self, batch: StepBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+    def _hidden(self, batch: StepBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+        """The final hidden states of every row of the step."""
         if self.stack is not None and self.stack.applies(batch.attn, kv_caches):
-            hidden = self.stack(batch.input_ids, batch.positions, batch.attn)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)
-        # Only the last token of each sampled chunk goes through lm_head.
-        return self.model.compute_logits(hidden[batch.sample_rows]).float()
+            return self.stack(batch.input_ids, batch.positions, batch.attn)
+        return self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)
 
     def _allocate(self, num_blocks: int) -> list[KVCache]:
         arch, bs = self.arch, self.block_size
@@ -147,7 +152,8 @@ class ModelRunner:
         blocks = -(-tokens // self.block_size)
         seq = _dummy_seq(tokens, blocks)
         state = apply_scheduled({}, seq, self.device)
-        self._forward(prepare([seq], [state], self.block_size, self.device), self._allocate(blocks))
+        batch = prepare([seq], [state], self.block_size, self.device)
+        self.model.compute_logits(self._hidden(batch, self._allocate(blocks))[batch.sample_rows])
 
 
 def _dummy_seq(tokens: int, blocks: int) -> ScheduledSeq:
@@ -163,13 +169,14 @@ def _dummy_seq(tokens: int, blocks: int) -> ScheduledSeq:
     )
 
 
-def step_result(step_id: int, seq_ids: list[int], out: SamplerOutput, states: list[SeqState]) -> StepResult:
-    tokens = out.token_ids.tolist()
+def step_result(step_id: int, seq_ids: list[int], out: SamplerOutput, states: list[SeqState],
+                prompt: list[PromptLogprobs] | None = None) -> StepResult:
+    tokens, prompt = out.token_ids.tolist(), prompt or []
     if out.logprobs is None:
-        return StepResult(step_id, seq_ids, tokens)
+        return StepResult(step_id, seq_ids, tokens, prompt_logprobs=prompt)
     asked = [s.sampling.logprobs for s in states]
     chosen = [lp if k is not None else 0.0 for lp, k in zip(out.logprobs.tolist(), asked, strict=True)]
-    return StepResult(step_id, seq_ids, tokens, chosen, _top_lists(out, asked))
+    return StepResult(step_id, seq_ids, tokens, chosen, _top_lists(out, asked), prompt)
 
 
 def _top_lists(out: SamplerOutput, asked: list[int | None]) -> list[list[TopLogprob]]:

@@ -20,6 +20,9 @@ class SeqState:
     sampling: SamplingParams
     generator: torch.Generator | None  # None for greedy sequences
     matcher: llguidance.LLMatcher | None = None  # None without a grammar; has consumed every output
+    # prompt logprobs: the log-softmax [1, V] of the last chunk's last row, which predicts the
+    # next chunk's first token (worker/prompt_logprobs.py)
+    held_prompt_row: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:

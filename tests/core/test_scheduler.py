@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pypto_serving.core.block_allocator import BlockAllocator, Demand
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.core.sequence import Sequence
-from pypto_serving.messages.worker import StepPlan, StepResult
+from pypto_serving.messages.worker import PromptLogprobs, StepPlan, StepResult
 
 EOS = 99
 
@@ -272,3 +273,64 @@ def test_a_result_must_answer_the_step_in_flight():
         h.sched.schedule()
     with pytest.raises(RuntimeError, match="in flight"):
         h.sched.apply(StepResult(plan.step_id + 1, [], []))
+
+
+def _scoring_harness(**cfg) -> tuple[Harness, list]:
+    """A harness whose fake worker scores prompt tokens as the real one does (token t gets
+    logprob -t), and that keeps every token event."""
+    h, events = Harness(**cfg), []
+
+    def step() -> StepPlan | None:
+        plan = h.sched.schedule()
+        if plan is None:
+            return None
+        h.plans.append(plan)
+        prompt = []
+        for s in plan.seqs:
+            seq = h.sched._by_id[s.seq_id]
+            if s.reset:
+                h.asked[s.seq_id] = s.sampling.prompt_logprobs
+                h.resets.append((bool(seq.output_ids), s.sampling.prompt_logprobs))
+            end = min(s.start_pos + len(s.token_ids), seq.num_prompt_tokens)
+            targets = list(range(max(s.start_pos, 1), end))
+            if h.asked[s.seq_id] is not None and targets:
+                prompt.append(PromptLogprobs(s.seq_id, targets[0], [-float(t) for t in targets],
+                                             [1] * len(targets), [[] for _ in targets]))
+        sampled = [s.seq_id for s in plan.seqs if s.sample]
+        events.extend(h.sched.apply(StepResult(plan.step_id, sampled, [7] * len(sampled),
+                                               prompt_logprobs=prompt)))
+        return plan
+
+    h.asked, h.resets = {}, []
+    h.step = step
+    return h, events
+
+
+def test_prompt_scores_come_with_the_first_token_once_even_through_preemption():
+    h, events = _scoring_harness(num_blocks=6, block_size=4, long_prefill_token_threshold=3)
+    seqs = make_sequences(2, prompt_len=8, max_tokens=8)
+    for s in seqs:
+        s.sampling = SamplingParams(prompt_logprobs=0)
+        h.sched.add(s)
+    h.run()
+    assert h.sched.num_preemptions >= 1
+    for s in seqs:
+        mine = [e for e in events if e.seq is s]
+        assert mine[0].prompt_logprobs == tuple((-float(t), 1, []) for t in range(1, 8))
+        assert all(e.prompt_logprobs == () for e in mine[1:]) and len(mine) == 8
+    # A prompt recomputed after its scores went out is not scored again.
+    late = [asked for had_outputs, asked in h.resets if had_outputs]
+    assert late and all(asked is None for asked in late)
+    assert all(asked == 0 for had_outputs, asked in h.resets if not had_outputs)
+
+
+def test_a_scored_prompt_is_computed_even_when_cached():
+    h, _ = _scoring_harness(block_size=4)
+    h.sched.add(Sequence(0, tuple(range(100, 114)), 2))
+    h.run()
+    scored = Sequence(1, tuple(range(100, 114)), 2, SamplingParams(prompt_logprobs=0))
+    plain = Sequence(2, tuple(range(100, 114)), 2)
+    h.sched.add(scored)
+    h.sched.add(plain)
+    h.run()
+    assert scored.num_cached_tokens == 0 and plain.num_cached_tokens == 12

@@ -228,7 +228,7 @@ def test_stream_options_include_usage(client: openai.OpenAI, http: httpx.Client)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("echo", True), ("best_of", 3), ("logit_bias", {"42": 5}), ("suffix", "end"),
+    ("best_of", 3), ("logit_bias", {"42": 5}), ("suffix", "end"),
     ("use_beam_search", True), ("guided_regex", "a+"),
 ])
 def test_known_fields_we_do_not_implement_are_refused(http: httpx.Client, field: str, value: object):

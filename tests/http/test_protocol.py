@@ -138,12 +138,31 @@ def test_n_best_of_and_stream_options():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("echo", True), ("logit_bias", {"5": 1}), ("use_beam_search", True), ("guided_json", {}),
-    ("skip_special_tokens", False), ("suffix", "x"), ("prompt_logprobs", 1),
+    ("logit_bias", {"5": 1}), ("use_beam_search", True), ("guided_json", {}),
+    ("skip_special_tokens", False), ("suffix", "x"),
 ])
 def test_known_unimplemented_fields_are_refused_unless_default(field: str, value: object):
     err = rejected(completion, field, "not supported", **{field: value})
     assert err.param == field
+
+
+def test_echo_is_a_completions_field_only():
+    assert rejected(chat, "echo", "not supported", echo=True).param == "echo"
+    assert completion(echo=True).request.echo
+
+
+def test_prompt_scoring_options():
+    scored = completion(echo=True, max_tokens=0, logprobs=2)
+    assert scored.echo_only and scored.request.max_tokens == 1  # one token sampled, then dropped
+    assert scored.request.sampling.prompt_logprobs == 2  # echo's logprobs cover the prompt
+    asked = completion(echo=True, logprobs=1, prompt_logprobs=4, stream=False)
+    assert asked.request.sampling.prompt_logprobs == 4 and asked.prompt_logprobs == 4
+    assert completion(logprobs=1).request.sampling.prompt_logprobs is None  # no echo: outputs only
+    assert chat(prompt_logprobs=0, stream=False).prompt_logprobs == 0
+    rejected(completion, "max_tokens", "echo", max_tokens=0)
+    rejected(completion, "prompt_logprobs", "stream", stream=True, prompt_logprobs=1)
+    rejected(chat, "prompt_logprobs", "stream", stream=True, prompt_logprobs=1)
+    rejected(completion, "prompt_logprobs", prompt_logprobs=21)
 
 
 def test_unimplemented_fields_at_their_defaults_and_unknown_fields_pass():
