@@ -1,26 +1,38 @@
 """How close a fast path's numbers are to the exact path's, teacher-forced over mixed text.
 
     python -m benchmarks.quality [--model smollm2] [--tokens 2048] [--window 512]
+    python -m benchmarks.quality --api [--servers int8,int16,llama]
 
-Runs the model in this process twice through `ModelRunner` (the device worker's own code,
-configured as the server configures it): the exact path (`--quantization none
---activation-quantization none`, float32 KV cache: equal to `transformers`) and the server's
-default on the cpu backend (`auto` packing, `int8` activations, float16 KV cache), over the
-same windows of text (prose and code from this repository), with logits at every position.
-Prints top-1 agreement with the exact path and both perplexities as JSON.
+Both modes score the same windows of text (prose and code from this repository) with prompt
+logprobs, and print, per path, top-1 agreement with the exact path (the most likely token at
+a position is the same) and perplexity (and its excess over the exact path's) as JSON.
+
+In process (the default), the device worker's own `ModelRunner` runs twice, configured as
+the server configures it: the exact path (`--quantization none --activation-quantization
+none`, float32 KV cache: equal to `transformers`) and the default on the cpu backend (`auto`
+packing, `int8` activations, float16 KV cache).
+
+With `--api` every path is a server started for the run and scored through HTTP: ours
+(`/v1/completions` with `prompt_logprobs: 1` and `max_tokens: 1`; `exact`, `int8` (the
+default), `int16`), and llama.cpp's llama-server on the same GGUF (`llama`): it has no prompt
+logprobs, so each position is one `/completion` request for the window's tokens so far
+(`n_predict: 1`, `n_probs`: the predicted token's logprob and the top candidates; its prompt
+cache makes each request a one-token step). Its perplexity counts a position only when the
+true token is among its top `--llama-probs`; positions where it is not are counted and
+reported (`unscored`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import httpx
 
 from benchmarks.worker_step import BLOCK, MAX_LEN, runner_for
 from pypto_serving.app.packaged_models import resolve_short_name
@@ -30,8 +42,16 @@ from pypto_serving.tokenizer.tokenizer import Tokenizer
 from pypto_serving.worker.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
+OUR_FLAGS = {"exact": ["--quantization", "none", "--activation-quantization", "none"],
+             "int8": [], "int16": ["--activation-quantization", "int16"]}
 
-EXACT = ("none", "none")
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """Per scored position: the true token's logprob (None: not known) and the top-1 id."""
+
+    logprobs: list[float | None]
+    top1: list[int]
 
 
 def corpus() -> str:
@@ -41,47 +61,97 @@ def corpus() -> str:
     return "\n\n".join(parts)
 
 
-def window_logits(r: ModelRunner, ids: list[int], seq_id: int) -> torch.Tensor:
-    """Logits at every position of one window, prefilled in one step."""
-    blocks = list(range(-(-len(ids) // BLOCK)))
-    seq = ScheduledSeq(seq_id, ids, 0, blocks, True, True, [], len(ids), SamplingParams())
-    forward, kept = r._forward, []
+def windows(ids: list[int], window: int) -> list[list[int]]:
+    return [w for i in range(0, len(ids) - 1, window) if len(w := ids[i:i + window]) > 1]
 
-    def every_row(batch, kv_caches):  # logits at every row kept; the sampler sees the last
-        kept.append(forward(dataclasses.replace(batch, sample_rows=torch.arange(len(ids))), kv_caches))
-        return kept[0][-1:]
 
-    r._forward = every_row
-    try:
-        r.execute(StepPlan(seq_id, [seq], finished=[seq_id - 1]))
-    finally:
-        r._forward = forward
-    return kept[0]
+def compare(scores: dict[str, Scores], exact: str = "exact") -> dict:
+    """Agreement and perplexity of every path against `exact`'s, over the same positions."""
+    base = scores[exact]
+    out = {"positions": len(base.top1), "paths": {}}
+    for name, s in scores.items():
+        known = [lp for lp in s.logprobs if lp is not None]
+        ppl = math.exp(-sum(known) / len(known))
+        same = [lp for lp, e in zip(s.logprobs, base.logprobs, strict=True) if lp is not None]
+        base_ppl = math.exp(-sum(e for lp, e in zip(s.logprobs, base.logprobs, strict=True)
+                                 if lp is not None) / len(same))
+        agree = sum(a == b for a, b in zip(s.top1, base.top1, strict=True)) / len(base.top1)
+        out["paths"][name] = {"top1_agreement": round(agree, 5), "perplexity": round(ppl, 4),
+                              "perplexity_excess": round(ppl / base_ppl - 1, 5),
+                              "unscored": len(s.logprobs) - len(known)}
+    return out
+
+
+# -- in process ------------------------------------------------------------------------
+
+def score_in_process(r: ModelRunner, wins: list[list[int]]) -> Scores:
+    logprobs, top1 = [], []
+    for i, ids in enumerate(wins):
+        blocks = list(range(-(-len(ids) // BLOCK)))
+        seq = ScheduledSeq(i + 1, ids, 0, blocks, True, True, [], len(ids), SamplingParams(prompt_logprobs=1))
+        [scored] = r.execute(StepPlan(i + 1, [seq], finished=[i])).prompt_logprobs
+        logprobs += scored.logprobs
+        top1 += [top[0].token_id for top in scored.top]
+    return Scores(logprobs, top1)
 
 
 def measure(path: str, ids: list[int], window: int, activations: str = "int8") -> dict:
-    """The fast path: `auto` packing with `activations` (int8 by default, as served)."""
-    paths = {"exact": EXACT, "default": ("auto", activations)}
-    windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > 1]
-    out = {}
-    for name, (quantization, activations) in paths.items():
+    """The exact path against `auto` packing with `activations` (int8 by default, as served)."""
+    paths = {"exact": ("none", "none"), activations: ("auto", activations)}
+    scores = {}
+    for name, (quantization, acts) in paths.items():
         t0 = time.monotonic()
-        r = runner_for(path, 1, quantization, activations)
-        out[name] = [window_logits(r, w, i + 1) for i, w in enumerate(windows)]
+        scores[name] = score_in_process(runner_for(path, 1, quantization, acts), windows(ids, window))
         print(f"{name}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
-    agree = total = 0
-    nll = dict.fromkeys(paths, 0.0)
-    for i, w in enumerate(windows):
-        target = torch.tensor(w[1:])
-        exact, fast = out["exact"][i][:-1], out["default"][i][:-1]
-        agree += int((exact.argmax(-1) == fast.argmax(-1)).sum())
-        total += len(target)
-        for name in paths:
-            logp = torch.log_softmax(out[name][i][:-1].double(), -1)
-            nll[name] -= float(logp.gather(1, target[:, None]).sum())
-    ppl = {name: math.exp(v / total) for name, v in nll.items()}
-    return {"positions": total, "top1_agreement": agree / total, "perplexity": ppl,
-            "perplexity_ratio": ppl["default"] / ppl["exact"]}
+    return compare(scores)
+
+
+# -- through HTTP ----------------------------------------------------------------------
+
+def score_ours(url: str, wins: list[list[int]]) -> Scores:
+    logprobs, top1 = [], []
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for ids in wins:
+            r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 1})
+            r.raise_for_status()
+            for token_id, entry in zip(ids[1:], r.json()["choices"][0]["prompt_logprobs"][1:], strict=True):
+                logprobs.append(entry[str(token_id)]["logprob"])
+                top1.append(int(next(k for k, e in entry.items() if e["rank"] == 1)))
+    return Scores(logprobs, top1)
+
+
+def score_llama(url: str, wins: list[list[int]], n_probs: int) -> Scores:
+    logprobs, top1 = [], []
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for ids in wins:
+            for t in range(1, len(ids)):
+                r = client.post("/completion", json={
+                    "prompt": ids[:t], "n_predict": 1, "n_probs": n_probs, "temperature": 0,
+                    "cache_prompt": True, "samplers": ["top_k"], "top_k": 1})
+                r.raise_for_status()
+                probs = r.json()["completion_probabilities"][0]
+                tops = probs["top_logprobs"]
+                top1.append(tops[0]["id"])
+                logprobs.append(next((c["logprob"] for c in tops if c["id"] == ids[t]), None))
+    return Scores(logprobs, top1)
+
+
+def measure_api(model: str, wins: list[list[int]], names: list[str], n_probs: int) -> dict:
+    from benchmarks.servers import Server, llama_server_command, ours_command
+
+    scores = {}
+    for name in ["exact", *names]:
+        command = (llama_server_command(model, None, 2) if name == "llama"
+                   else ours_command(model, OUR_FLAGS[name]))
+        server = Server(name, command).start()
+        try:
+            t0 = time.monotonic()
+            scores[name] = (score_llama(server.url, wins, n_probs) if name == "llama"
+                            else score_ours(server.url, wins))
+            print(f"{name}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        finally:
+            server.stop()
+    return compare(scores)
 
 
 def main() -> None:
@@ -89,15 +159,23 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512, help=f"tokens per prefill (at most {MAX_LEN})")
-    p.add_argument("--activation-quantization", default="int8", choices=("int8", "int16", "none"),
-                   help="the fast path's activations (default int8, the server's default)")
+    p.add_argument("--activation-quantization", default="int8", choices=("int8", "int16"),
+                   help="in process: the fast path's activations (default int8, the server's default)")
+    p.add_argument("--api", action="store_true", help="score servers through HTTP")
+    p.add_argument("--servers", default="int8,int16,llama",
+                   help=f"with --api: comma list of {', '.join(OUR_FLAGS)}, llama (exact always runs)")
+    p.add_argument("--llama-probs", type=int, default=20, help="llama-server's n_probs")
     args = p.parse_args()
     if not 1 < args.window <= MAX_LEN:
         p.error(f"--window must be in 2..{MAX_LEN}")
     path = str(resolve_short_name(args.model))
     ids = Tokenizer.load(path).encode(corpus(), add_special_tokens=False)[: args.tokens + 1]
-    result = measure(path, ids, args.window, args.activation_quantization)
-    print(json.dumps({"model": args.model, "activations": args.activation_quantization, **result}, indent=2))
+    if args.api:
+        names = [n for n in args.servers.split(",") if n != "exact"]
+        result = measure_api(path, windows(ids, args.window), names, args.llama_probs)
+    else:
+        result = measure(path, ids, args.window, args.activation_quantization)
+    print(json.dumps({"model": args.model, **result}, indent=2))
 
 
 if __name__ == "__main__":

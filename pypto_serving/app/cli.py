@@ -75,7 +75,6 @@ REFUSED_VLLM_FLAGS: dict[str, str] = {
     "--pipeline-parallel-size": "pipeline parallelism is not supported (devices form tensor-parallel groups)",
     "--enable-lora": "LoRA adapters are not supported",
     "--lora-modules": "LoRA adapters are not supported",
-    "--speculative-config": "speculative decoding is not supported",
     "--cpu-offload-gb": "weights stay on their device: there is no CPU offload",
     "--swap-space": "preempted sequences are recomputed, not swapped: there is no swap space",
 }
@@ -181,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per engine step (default 4096)")
     p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=2048,
                    help="prefill chunk size per request (default 2048)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding without a draft model, as vLLM spells it: '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (optional: '
+                        'prompt_lookup_min 2, prompt_lookup_max 5, disable_by_batch_size)')
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default on)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,

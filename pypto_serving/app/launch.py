@@ -158,6 +158,11 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
     log.info(f"Prefill chunk size: {sched.long_prefill_token_threshold}")
     log.info(f"Prefix cache: {'enabled' if cfg.cache.enable_prefix_caching else 'disabled'}")
     log.info(f"Chunked prefill: {'enabled' if sched.enable_chunked_prefill else 'disabled'}")
+    spec = sched.speculative
+    log.info("Speculative decoding: " + ("off" if spec is None else
+             f"ngram, {spec.num_speculative_tokens} tokens, n-grams of {spec.prompt_lookup_min}.."
+             f"{spec.prompt_lookup_max}" + (f", off from {spec.disable_by_batch_size} running"
+                                            if spec.disable_by_batch_size else "")))
     reasoning = settings.parsers.reasoning
     log.info(f"Reasoning parser: {reasoning.name if reasoning else 'none'}; "
              f"tool-call parser: {settings.parsers.tool_parser_name}")

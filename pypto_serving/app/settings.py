@@ -15,6 +15,7 @@ from pypto_serving.actors.request import RequestLimits
 from pypto_serving.app.model_source import ModelSource
 from pypto_serving.core.generate_config import GenerateConfigError, GenerateDefaults, parse_generate_config
 from pypto_serving.core.scheduler import SchedulerConfig
+from pypto_serving.core.speculative import SpeculativeConfig, parse_speculative_config
 from pypto_serving.http.edge import EdgeConfig, load_api_keys
 from pypto_serving.http.protocol import ModelParsers
 from pypto_serving.http.server import HttpLimits
@@ -113,7 +114,17 @@ def _scheduler(args: argparse.Namespace) -> SchedulerConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=args.enable_chunked_prefill,
         max_model_len=args.max_model_len,
+        speculative=_speculative(args.speculative_config),
     )
+
+
+def _speculative(text: str | None) -> SpeculativeConfig | None:
+    if text is None:
+        return None
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
 
 
 def _profile(args: argparse.Namespace) -> ProfileConfig | None:

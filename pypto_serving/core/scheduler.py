@@ -13,14 +13,15 @@ last sequence is gone, the allocator's integrity is checked (every block free or
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 
 import msgspec
 
 from pypto_serving.core.block_allocator import Allocation, BlockAllocator, Demand, Grant
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.core.sequence import SeqStatus, Sequence
+from pypto_serving.core.speculative import NgramIndex, SpeculativeConfig, can_speculate
 from pypto_serving.messages.worker import ScheduledSeq, StepPlan, StepResult
 
 
@@ -31,6 +32,26 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int = 1024
+    speculative: SpeculativeConfig | None = None  # n-gram proposals for decode steps
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculation so far (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # decode steps of a sequence that carried proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: proposals kept at offset i
+
+    def count(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos += [0] * (proposed - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +74,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._by_id: dict[int, Sequence] = {}
         self._planned: dict[int, int] = {}  # seq_id -> tokens computed by the step in flight
+        self._drafts: dict[int, list[int]] = {}  # seq_id -> its proposals in the step in flight
+        self.spec = SpecDecodeStats()
         self._dropped: list[int] = []  # sequences the worker may forget
         self._in_flight: int | None = None  # the step id of the plan the worker is running
         self._step_id = 0
@@ -61,6 +84,10 @@ class Scheduler:
 
     # -- intake ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        spec = self.config.speculative
+        if spec is not None and can_speculate(seq.sampling):
+            seq.ngrams = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                    (*seq.prompt_ids, *seq.output_ids))
         self.waiting.append(seq)
         self._by_id[seq.seq_id] = seq
 
@@ -131,8 +158,15 @@ class Scheduler:
     def _propose(self) -> list[Demand]:
         budget = self.config.max_num_batched_tokens
         demands = []
+        self._drafts = {}
+        speculating = self._speculating()
         for seq in self.running:
             n = min(seq.num_pending, budget, self._chunk_cap(seq))
+            if speculating and n == seq.num_pending == 1 and seq.ngrams is not None:
+                draft = seq.ngrams.propose(self._draft_room(seq, budget))
+                if draft:
+                    self._drafts[seq.seq_id] = draft
+                    n += len(draft)
             budget -= n
             demands.append(Demand(seq.seq_id, seq.num_computed + n, seq.num_computed))
         slots = self.config.max_num_seqs - len(self.running)
@@ -144,6 +178,21 @@ class Scheduler:
             demands.append(Demand(seq.seq_id, n, 0, seq.prompt_ids, seq.num_tokens,
                                   use_cache=not seq.wants_prompt_logprobs))
         return demands
+
+    def _speculating(self) -> bool:
+        spec = self.config.speculative
+        return spec is not None and (spec.disable_by_batch_size is None
+                                     or len(self.running) < spec.disable_by_batch_size)
+
+    def _draft_room(self, seq: Sequence, budget: int) -> int:
+        """How many proposals fit: the step's budget, and the tokens the sequence may still
+        produce (the proposals and the token sampled after them), in max_tokens and the
+        context; none while min_tokens still masks EOS."""
+        if seq.num_output_tokens < seq.sampling.min_tokens:
+            return 0
+        return min(self.config.speculative.num_speculative_tokens, budget - 1,
+                   seq.max_tokens - seq.num_output_tokens - 1,
+                   self.config.max_model_len - seq.num_tokens - 1)
 
     def _chunk_cap(self, seq: Sequence) -> int:
         if not self.config.enable_chunked_prefill or seq.num_pending <= 1:
@@ -187,16 +236,19 @@ class Scheduler:
     def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
         start, table = seq.num_computed, self.allocator.block_table(seq.seq_id)
         sent, reset = seq.sent(len(table))
+        draft = self._drafts.get(seq.seq_id, [])
+        known = n - len(draft)
         return ScheduledSeq(
             seq_id=seq.seq_id,
-            token_ids=seq.token_slice(start, start + n),
+            token_ids=seq.token_slice(start, start + known) + draft,
             start_pos=start,
             new_block_ids=table[sent:],
-            sample=start + n == seq.num_tokens,
+            sample=start + known == seq.num_tokens,
             reset=reset,
             prefix_ids=seq.token_slice(0, start) if reset else [],
             num_prompt_tokens=seq.num_prompt_tokens if reset else 0,
             sampling=self._sampling(seq) if reset else None,
+            num_draft=len(draft),
         )
 
     @staticmethod
@@ -212,9 +264,15 @@ class Scheduler:
             raise RuntimeError(f"result of step {result.step_id}, but {self._in_flight} is in flight")
         self._in_flight = None
         planned, self._planned = self._planned, {}
+        drafts, self._drafts = self._drafts, {}
+        got = Counter(result.seq_ids) if drafts else {}
         for seq_id, n in planned.items():
             seq = self._by_id.get(seq_id)
             if seq is not None and seq.status is SeqStatus.RUNNING:
+                if seq_id in drafts:  # only the kept proposals' KV counts as computed
+                    accepted = got.get(seq_id, 1) - 1
+                    n -= len(drafts[seq_id]) - accepted
+                    self.spec.count(len(drafts[seq_id]), accepted)
                 seq.computed(n)
         for scored in result.prompt_logprobs:
             seq = self._by_id.get(scored.seq_id)

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.core.speculative import NgramIndex
 
 
 class SeqStatus(enum.Enum):
@@ -38,6 +39,7 @@ class Sequence:
     # (logprob, rank, top-k) of prompt tokens 1, 2, ... as steps score them, until the first
     # output token takes them along
     prompt_scores: list[tuple[float, int, list]] = field(default_factory=list)
+    ngrams: NgramIndex | None = None  # with n-gram speculation: where its next tokens come from
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -102,6 +104,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_ids.append(token_id)
+        if self.ngrams is not None:
+            self.ngrams.append(token_id)
 
     def finish(self, reason: str) -> None:
         self.status = SeqStatus.FINISHED

@@ -120,6 +120,9 @@ class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):
     tokens past the prompt are earlier outputs being recomputed). Without `reset`,
     `new_block_ids` are appended to the block table the worker already has. `sample` is
     true when the chunk ends at the last known token, so one new token is sampled after it.
+    With `num_draft` k > 0 the chunk's last k tokens are speculative proposals, not known
+    tokens: a token is sampled after each of the last k + 1, and the proposals are kept up to
+    the first one that differs from what was sampled in its place (core/speculative.py).
     """
 
     seq_id: int
@@ -131,6 +134,7 @@ class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):
     prefix_ids: list[int] = []
     num_prompt_tokens: int = 0
     sampling: SamplingParams | None = None
+    num_draft: int = 0
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag=True):
@@ -176,7 +180,9 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
 class StepResult(msgspec.Struct, frozen=True, tag=True):
     """Tokens sampled in one step: `token_ids[i]` belongs to `seq_ids[i]`.
 
-    `seq_ids` lists exactly the scheduled sequences with `sample` true, in plan order.
+    `seq_ids` lists exactly the scheduled sequences with `sample` true, in plan order; a
+    sequence with proposals (`num_draft`) appears once per token it got: the proposals it
+    kept, then the token sampled after them.
     `logprobs[i]` is the chosen token's logprob, when its sequence asked for logprobs
     (else 0.0); `top_logprobs[i]` its top-k list (empty when not asked). `prompt_logprobs`
     covers the prompt tokens this step scored, for the sequences that asked for them.

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from pypto_serving.core.block_allocator import BlockAllocator
-from pypto_serving.core.scheduler import Scheduler
+from pypto_serving.core.scheduler import Scheduler, SpecDecodeStats
 
 PREFIXES = ("pypto:", "vllm:")
 LABELS = ("model_name", "engine")
@@ -59,6 +59,11 @@ COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
     "preemptions": ("num_preemptions_total", "Sequences preempted for lack of KV blocks."),
     "prompt_tokens_cached": ("prompt_tokens_cached_total", "Prompt tokens served from the prefix cache."),
+}
+SPEC_DECODE = {
+    "num_drafts": ("spec_decode_num_drafts_total", "Decode steps of a sequence that carried proposals."),
+    "num_draft_tokens": ("spec_decode_num_draft_tokens_total", "Tokens proposed."),
+    "num_accepted_tokens": ("spec_decode_num_accepted_tokens_total", "Proposed tokens kept."),
 }
 HISTOGRAMS = {
     "ttft": ("time_to_first_token_seconds", "Arrival to first generated token."),
@@ -174,6 +179,21 @@ class EngineMetrics:
         self.rejections[reason] += 1
 
     # -- views -----------------------------------------------------------------
+    def spec_decode(self) -> SpecDecodeStats | None:
+        """Speculation's counters; None when the server does not speculate."""
+        sched = self._scheduler
+        if sched is None or sched.config.speculative is None:
+            return None
+        return sched.spec
+
+    def _spec_decode_json(self) -> dict[str, Any]:
+        stats = self.spec_decode()
+        if stats is None:
+            return {}
+        return {"spec_decode": {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+                                "num_accepted_tokens": stats.num_accepted_tokens,
+                                "accepted_per_pos": list(stats.accepted_per_pos)}}
+
     def gauges(self) -> dict[str, float]:
         sched, alloc = self._scheduler, self._allocator
         return {"running": sched.num_running if sched else 0,
@@ -206,6 +226,7 @@ class EngineMetrics:
         replica = {"engine": self.engine, "gauges": self.gauges(), "counters": counters,
                    "finish_reasons": reasons, "rejections": dict(self.rejections),
                    "worker_restarts": self.worker_restarts,
+                   **self._spec_decode_json(),
                    "histograms": {key: _histogram_json(h) for key, h in self.histograms.items()}}
         return {"schema_version": 1, "server_id": self.server_id, "started_at": self.started_at,
                 "timestamp": time.time(), "model_name": self.model_name, "replicas": [replica]}
@@ -252,6 +273,7 @@ class _Collector:
             for key, (name, doc) in HISTOGRAMS.items():
                 yield self._histogram(prefix + name, doc, values, m.histograms[key])
             yield from self._by_label(prefix, values, gauges, counters)
+            yield from self._spec_decode(prefix, values)
             yield self._cache_info(prefix)
         yield from self._operations(values)
 
@@ -301,6 +323,22 @@ class _Collector:
         yield labeled(CounterMetricFamily, "prompt_tokens_cached_by_source",
                       "Prefix-cache hit tokens by the cache tier that supplied them.", "source",
                       {"device": counters["prefix_cache_hits"]})
+
+    def _spec_decode(self, prefix: str, values: list[str]) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, when --speculative-config is on."""
+        stats = self.metrics.spec_decode()
+        if stats is None:
+            return
+        for key, (name, doc) in SPEC_DECODE.items():
+            family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+            family.add_metric(values, getattr(stats, key))
+            yield family
+        family = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos_total",
+                                     "Proposals kept, by their position in the proposal.",
+                                     labels=(*LABELS, "position"))
+        for position, count in enumerate(stats.accepted_per_pos):
+            family.add_metric([*values, str(position)], count)
+        yield family
 
     def _cache_info(self, prefix: str) -> GaugeMetricFamily:
         info = {**self.metrics.cache_info, "engine": self.metrics.engine}

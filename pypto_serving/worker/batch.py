@@ -21,8 +21,8 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token
-    sample_seq_ids: list[int]
+    sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token (with proposals:
+    sample_seq_ids: list[int]  # of its last 1 + num_draft tokens, each sequence once per row)
 
 
 def prepare(
@@ -36,13 +36,14 @@ def prepare(
     positions = _ints([p for s, n in zip(seqs, ctx_lens, strict=True) for p in range(s.start_pos, n)], device)
     rows = torch.repeat_interleave(torch.arange(len(seqs), device=device), _ints(q_lens, device))
     slot_mapping = slots_of_positions(tables, rows, positions, block_size)
-    sampled = [i for i, s in enumerate(seqs) if s.sample]
+    sampled = [(i, row) for i, s in enumerate(seqs) if s.sample
+               for row in range(starts[i] + q_lens[i] - 1 - s.num_draft, starts[i] + q_lens[i])]
     return StepBatch(
         input_ids=_ints([t for s in seqs for t in s.token_ids], device),
         positions=positions,
         attn=_attention_metadata(seqs, slot_mapping, tables, starts, block_size),
-        sample_rows=_ints([starts[i] + q_lens[i] - 1 for i in sampled], device),
-        sample_seq_ids=[seqs[i].seq_id for i in sampled],
+        sample_rows=_ints([row for _, row in sampled], device),
+        sample_seq_ids=[seqs[i].seq_id for i, _ in sampled],
     )
 
 

@@ -40,6 +40,7 @@ from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
+from pypto_serving.worker.speculative import kept, row_states, verify
 
 log = structlog.get_logger()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,12 +119,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
         prompt = (score_prompts(plan.seqs, states, hidden, self.model.compute_logits)
                   if wants_prompt_logprobs(plan.seqs, states) else [])
-        sampled = [st for s, st in zip(plan.seqs, states, strict=True) if s.sample]
+        sampled = row_states(plan.seqs, states)
         if not sampled:
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
         tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars)
-        out = sample(logits, tensors, self.backend.argmax)
-        result = step_result(plan.step_id, batch.sample_seq_ids, out, sampled, prompt)
+        out, seq_ids = sample(logits, tensors, self.backend.argmax), batch.sample_seq_ids
+        if any(s.num_draft for s in plan.seqs):
+            keep = verify(plan.seqs, states, out.token_ids.tolist())
+            out, sampled, seq_ids = kept(out, keep), [sampled[i] for i in keep], [seq_ids[i] for i in keep]
+        result = step_result(plan.step_id, seq_ids, out, sampled, prompt)
         advance([st.matcher for st in sampled], result.token_ids)
         return result, logits
 
