@@ -31,7 +31,9 @@ import aiohttp
 import numpy as np
 import psutil
 
-DATASETS = ("random", "shared-prefix")
+DATASETS = ("random", "shared-prefix", "rewrite")
+ROOT = Path(__file__).resolve().parent.parent
+REWRITE_MARK = "\n\n# ---- the same code, copied unchanged ----\n"
 
 
 @dataclass
@@ -77,6 +79,7 @@ class RequestResult:
     usage_prompt_tokens: int | None = None
     cached_tokens: int | None = None
     usage_reported: bool = False
+    text: str = ""
     last_chunk_at: float = field(default=0.0, repr=False)
 
     @property
@@ -117,10 +120,12 @@ class BenchResult:
     itl_ms: LatencyStats
     e2e_ms: LatencyStats
     peak_rss_mib: float | None = None
+    texts: list[str] = field(default_factory=list, repr=False)  # each prompt's text, in order
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["config"]["request_rate"] = _json_float(self.config.request_rate)
+        del data["texts"]
         return data
 
 
@@ -131,10 +136,13 @@ def _json_float(value: float) -> float | str:
 # ---------------------------------------------------------------- datasets
 
 
-def make_prompts(cfg: BenchConfig, count: int, rng: np.random.Generator) -> list[list[int]]:
-    """`count` prompts of token ids drawn uniformly from [vocab_low, vocab_high)."""
+def make_prompts(cfg: BenchConfig, count: int, rng: np.random.Generator) -> list[list[int] | str]:
+    """`count` prompts of token ids drawn uniformly from [vocab_low, vocab_high) (random,
+    shared-prefix), or of text (rewrite)."""
     if cfg.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; choose from {DATASETS}")
+    if cfg.dataset == "rewrite":
+        return rewrite_prompts(count, cfg.input_len, rng)
     rows = rng.integers(cfg.vocab_low, cfg.vocab_high, size=(count, cfg.input_len)).tolist()
     if cfg.dataset == "random":
         return rows
@@ -142,7 +150,21 @@ def make_prompts(cfg: BenchConfig, count: int, rng: np.random.Generator) -> list
     return [prefix + row for row in rows]
 
 
-def build_payload(cfg: BenchConfig, prompt: list[int]) -> dict[str, Any]:
+def rewrite_prompts(count: int, input_len: int, rng: np.random.Generator) -> list[str]:
+    """An input-grounded workload: a piece of this repository's code (about `input_len`
+    tokens, at ~3.5 characters a token) and the start of a copy of it, to be continued."""
+    source = "\n".join(p.read_text() for p in sorted((ROOT / "pypto_serving").rglob("*.py")))
+    size = int(input_len * 3.5)
+    prompts = []
+    for _ in range(count):
+        start = source.index("\n", int(rng.integers(0, len(source) - 2 * size))) + 1
+        piece = source[start:start + size]
+        first = piece[:piece.find("\n", 40) + 1 or 80]
+        prompts.append(piece + REWRITE_MARK + first)
+    return prompts
+
+
+def build_payload(cfg: BenchConfig, prompt: list[int] | str) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": cfg.output_len,
@@ -186,7 +208,8 @@ def _handle_event(result: RequestResult, data: str, now: float, start: float) ->
         raise ValueError(f"stream chunk is not an object: {data[:200]}")
     if chunk.get("error"):
         raise ValueError(f"error in stream: {json.dumps(chunk['error'])[:300]}")
-    if _chunk_text(chunk):
+    if text := _chunk_text(chunk):
+        result.text += text
         if result.content_chunks == 0:
             result.ttft = now - start
         else:
@@ -220,9 +243,9 @@ def _finish(result: RequestResult, start: float) -> None:
 
 
 async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig,
-                       prompt: list[int]) -> RequestResult:
+                       prompt: list[int] | str) -> RequestResult:
     """Streams one completion; never raises, a failure is reported in the result."""
-    result = RequestResult(prompt_len=len(prompt))
+    result = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
     start = time.perf_counter()
     try:
         async with session.post(cfg.url, json=build_payload(cfg, prompt)) as resp:
@@ -284,7 +307,7 @@ class RssSampler:
 
 
 async def _issue_all(session: aiohttp.ClientSession, cfg: BenchConfig,
-                     prompts: list[list[int]], rng: np.random.Generator) -> list[RequestResult]:
+                     prompts: list[list[int] | str], rng: np.random.Generator) -> list[RequestResult]:
     """Poisson arrivals at `request_rate`, at most `concurrency` in flight."""
     gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency > 0 else None
 
@@ -302,7 +325,7 @@ async def _issue_all(session: aiohttp.ClientSession, cfg: BenchConfig,
     return list(await asyncio.gather(*tasks))
 
 
-async def _warmup(session: aiohttp.ClientSession, cfg: BenchConfig, prompts: list[list[int]]) -> int:
+async def _warmup(session: aiohttp.ClientSession, cfg: BenchConfig, prompts: list[list[int] | str]) -> int:
     """Sends the warm-up prompts one by one; returns how many failed."""
     failed = 0
     for prompt in prompts:
@@ -352,7 +375,7 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration_s: float,
               warmup_failed: int = 0, peak_rss_mib: float | None = None) -> BenchResult:
     ok = [r for r in results if r.ok]
     bad = [r for r in results if not r.ok]
-    input_tokens = sum(r.prompt_len for r in ok)
+    input_tokens = sum(r.prompt_len or r.usage_prompt_tokens or 0 for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     per_s = 1.0 / duration_s if duration_s > 0 else 0.0
     return BenchResult(
@@ -367,7 +390,8 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration_s: float,
         ttft_ms=latency_stats([r.ttft for r in ok]),
         tpot_ms=latency_stats([r.tpot for r in ok if r.tpot is not None]),
         itl_ms=latency_stats([gap for r in ok for gap in r.itls]),
-        e2e_ms=latency_stats([r.e2e for r in ok]), peak_rss_mib=peak_rss_mib)
+        e2e_ms=latency_stats([r.e2e for r in ok]), peak_rss_mib=peak_rss_mib,
+        texts=[r.text for r in results])
 
 
 # ---------------------------------------------------------------- report
