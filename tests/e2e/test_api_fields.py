@@ -67,13 +67,19 @@ def test_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI, http:
 
 
 @pytest.mark.parametrize("path, field", [
-    ("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
-    ("/v1/chat/completions", "max_completion_tokens"),
+    ("/v1/chat/completions", "max_tokens"), ("/v1/chat/completions", "max_completion_tokens"),
 ])
 def test_token_limits_must_be_positive(http: httpx.Client, path: str, field: str):
     for value in (0, -5):
         body = {"prompt": "x", "messages": SHORT_ANSWER, field: value}
         assert assert_error(http.post(path, json=body), field, ">= 1")["param"] == field
+
+
+def test_completion_max_tokens_is_positive_or_zero_with_echo(http: httpx.Client):
+    zero = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert assert_error(zero, "max_tokens", "at least 1", "echo")["param"] == "max_tokens"
+    negative = http.post("/v1/completions", json={"prompt": "x", "max_tokens": -5, "echo": True})
+    assert assert_error(negative, "max_tokens", ">= 0")["param"] == "max_tokens"
 
 
 def test_limit_above_the_context_room_is_capped_and_logged(http: httpx.Client, server: ServerProcess,
