@@ -60,8 +60,8 @@ def weight_source(model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         from pypto_serving.loader.gguf_file import load_gguf_tensors
         from pypto_serving.loader.gguf_reader import read_gguf
 
-        total = len(read_gguf(model.path).tensors)
-        return with_progress(load_gguf_tensors(model.path, model.arch), total, "loading weights")
+        gguf = read_gguf(model.path)
+        return with_progress(load_gguf_tensors(gguf, model.arch), len(gguf.tensors), "loading weights")
     raise ValueError(f"unknown model format {model.format!r}; expected 'hf' or 'gguf'")
 
 
