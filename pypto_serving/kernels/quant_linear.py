@@ -78,7 +78,10 @@ def probe_rows(w: torch.Tensor) -> torch.Tensor:
     if n_pad <= PROBE_ROWS:
         return w
     rows = torch.linspace(0, n_pad - 1, PROBE_ROWS).long()
-    return F.pad(w, (0, 0, 0, n_pad - w.shape[0]))[rows]
+    real = rows < w.shape[0]  # the others are padding: zero rows
+    probe = w.new_zeros(PROBE_ROWS, w.shape[1])
+    probe[real] = w[rows[real]]
+    return probe
 
 
 def _q_range(bits: int) -> tuple[int, int]:
