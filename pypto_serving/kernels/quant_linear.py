@@ -46,6 +46,14 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero))
 
 
+def packed_layout(n: int, k: int, bits: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each of a packed [n, k] weight's tensors (`PackedWeight`)."""
+    panels = -(-n // PANEL)
+    q = (panels, k // 4, 4 * PANEL) if bits == 8 else (panels, k // 4, 2 * PANEL)
+    groups = ((panels, k // GROUP, PANEL), torch.float16)
+    return {"q": (q, torch.int8 if bits == 8 else torch.uint8), "scale": groups, "zero": groups}
+
+
 def can_pack(n: int, k: int) -> bool:
     return k % GROUP == 0 and n > 0
 

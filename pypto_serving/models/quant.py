@@ -86,7 +86,18 @@ class PackedRows(nn.Module):
         packed, error = self._pack_weight(w, bits)
         if self.bits is None and bits == 4 and error > LOSSLESS_STEP_FRACTION:
             packed, _ = self._pack_weight(w, 8)
-        self.packed = packed
+        self.use_packed(packed)
+
+    @property
+    def allowed_bits(self) -> tuple[int, ...]:
+        return (self.bits,) if self.bits else (4, 8)
+
+    def use_packed(self, packed: PackedWeight) -> None:
+        """Takes a weight packed earlier (the weight cache's) as this one's."""
+        if (packed.n, packed.k) != (self.n, self.k) or packed.bits not in self.allowed_bits:
+            raise ValueError(f"a packed [{packed.n}, {packed.k}] int{packed.bits} weight does not fit "
+                             f"a [{self.n}, {self.k}] int{'/int'.join(map(str, self.allowed_bits))} one")
+        self.packed, self._staged = packed, {}
         for name in ("q", "scale", "zero"):  # buffers, so weight-size accounting sees them
             self.register_buffer(name, getattr(packed, name), persistent=False)
 

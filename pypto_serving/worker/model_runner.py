@@ -38,6 +38,7 @@ from pypto_serving.worker.memory import module_bytes
 from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
+from pypto_serving.worker.weight_cache import load_with_cache
 
 log = structlog.get_logger()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,7 +80,8 @@ class ModelRunner:
         self.kernels, self.activation_quantization = self.backend.kernels_used(
             quant.weights, quant.activations)
         self.model = build_model(self.arch, self.dtype, self.device, cfg.limits.max_model_len, layers)
-        load_weights(self.model, self.arch, weight_source(cfg.model))
+        self.weights_from = load_with_cache(
+            self.model, cfg, lambda: load_weights(self.model, self.arch, weight_source(cfg.model)))
         self.weight_bytes = module_bytes(self.model)
         self.seqs: dict[int, SeqState] = {}
         self._seeds = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)
