@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "inexact); int16: two int8 planes, near exact, ~1.7x slower prefill than int8 "
                         "and still faster than none; auto: int8 wherever weights are packed on the "
                         "cpu; none: float32")
+    p.add_argument("--weight-cache-dir", default=None, metavar="DIR",
+                   help="where packed weights are kept across starts, so the next start maps them "
+                        "instead of dequantizing and packing the checkpoint again (default "
+                        "$XDG_CACHE_HOME/pypto-serving/weights, else ~/.cache/pypto-serving/weights)")
+    p.add_argument("--no-weight-cache", action="store_true",
+                   help="neither read nor write the weight cache")
     p.add_argument("--max-model-len", type=_positive_int, default=1024,
                    help="prompt plus generated tokens per request (default 1024)")
     p.add_argument("--block-size", type=_positive_int, default=None,

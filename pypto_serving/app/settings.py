@@ -196,6 +196,7 @@ def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], Generat
         raise FlagError(f"--generate-config: {exc}") from None
     _scheduler(args)
     _profile(args)
+    weight_cache_dir(args)
     return pick_backend(args.backend), _devices(args), defaults
 
 
@@ -271,7 +272,25 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
             _activation_quantization(args, backend, dtype, quantization))),
         log=LogConfig(LogFormat(args.log_format), args.log_level),
         seed=args.seed,
+        weight_cache_dir=weight_cache_dir(args),
     )
+
+
+def weight_cache_dir(args: argparse.Namespace) -> str:
+    """The weight cache's directory ("" with --no-weight-cache); one given explicitly must be
+    writable (the default one may not be: the worker then logs it and loads uncached)."""
+    if args.no_weight_cache:
+        if args.weight_cache_dir is not None:
+            raise FlagError("--weight-cache-dir and --no-weight-cache: give only one of them")
+        return ""
+    if args.weight_cache_dir is None:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return str(Path(base) / "pypto-serving" / "weights")
+    if not args.weight_cache_dir:
+        raise FlagError("--weight-cache-dir: give a directory (--no-weight-cache turns the cache off)")
+    path = Path(args.weight_cache_dir).expanduser().absolute()
+    check_writable_dir(path, "--weight-cache-dir")
+    return str(path)
 
 
 def _max_blocks(args: argparse.Namespace, block_size: int) -> int:

@@ -46,6 +46,14 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero))
 
 
+def packed_layout(n: int, k: int, bits: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each of a packed [n, k] weight's tensors (`PackedWeight`)."""
+    panels = -(-n // PANEL)
+    q = (panels, k // 4, 4 * PANEL) if bits == 8 else (panels, k // 4, 2 * PANEL)
+    groups = ((panels, k // GROUP, PANEL), torch.float16)
+    return {"q": (q, torch.int8 if bits == 8 else torch.uint8), "scale": groups, "zero": groups}
+
+
 def can_pack(n: int, k: int) -> bool:
     return k % GROUP == 0 and n > 0
 
@@ -59,12 +67,29 @@ def pack(w: torch.Tensor, bits: int) -> tuple[PackedWeight, float]:
     wg = F.pad(w.float(), (0, 0, 0, n_pad - n)).view(n_pad, k // GROUP, GROUP)
     scale, zero = _scale_zero(wg, bits)
     step = scale.float().unsqueeze(-1)
-    q = ((wg - zero.float().unsqueeze(-1)) / torch.where(step > 0, step, 1.0)).round()
-    q = q.clamp(*_q_range(bits))
-    error = (q * step + zero.float().unsqueeze(-1) - wg).abs() / torch.where(step > 0, step, 1.0)
+    safe_step = torch.where(step > 0, step, 1.0)
+    # In place, and without the int8 zero (w - 0 is w): each pass over a big weight counts.
+    q = wg / safe_step if bits == 8 else (wg - zero.float().unsqueeze(-1)).div_(safe_step)
+    q = q.round_().clamp_(*_q_range(bits))
+    moved = q * step if bits == 8 else (q * step).add_(zero.float().unsqueeze(-1))
+    error = moved.sub_(wg).abs_().div_(safe_step).max()
     packed = PackedWeight(_panel_q(q.view(n_pad, k), bits), _panel_groups(scale), _panel_groups(zero),
                           bits, n, k)
-    return packed, float(error.max())
+    return packed, float(error)
+
+
+def probe_rows(w: torch.Tensor) -> torch.Tensor:
+    """The rows of `w` (padded to whole panels) that `pack`'s 4-bit grid search probes, as a
+    weight of their own. Packed alone they get the steps they get in the whole weight, so
+    their error is at most the whole's: a probe beyond a bound proves the whole is too."""
+    n_pad = -(-w.shape[0] // PANEL) * PANEL
+    if n_pad <= PROBE_ROWS:
+        return w
+    rows = torch.linspace(0, n_pad - 1, PROBE_ROWS).long()
+    real = rows < w.shape[0]  # the others are padding: zero rows
+    probe = w.new_zeros(PROBE_ROWS, w.shape[1])
+    probe[real] = w[rows[real]]
+    return probe
 
 
 def _q_range(bits: int) -> tuple[int, int]:
@@ -73,11 +98,11 @@ def _q_range(bits: int) -> tuple[int, int]:
 
 def _scale_zero(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 scale and zero per [row, group]; the values the kernel computes with."""
-    low, high = wg.amin(-1), wg.amax(-1)
     if bits == 8:  # symmetric; a 5- or 6-bit grid would fit exactly, but the search costs
         # seconds per large tensor at load for a rounding of 1/16 of such a grid's step
         scale = (wg.abs().amax(-1) / LEVELS[8]).half()
         return scale, torch.zeros_like(scale)
+    low, high = wg.amin(-1), wg.amax(-1)
     usual = (high - low) / LEVELS[4]
     step = _grid_step(wg, low, usual, high - low, LEVELS[4])
     return torch.where(step.isfinite(), step, usual).half(), low.half()

@@ -107,6 +107,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     grammar: GrammarConfig = msgspec.field(default_factory=GrammarConfig)
     seed: int | None = None  # `--seed`: where unseeded requests' seeds come from (None: at random)
+    weight_cache_dir: str = ""  # `--weight-cache-dir`: packed weights kept across starts ("": none)
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):

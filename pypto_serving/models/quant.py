@@ -25,7 +25,7 @@ from torch import nn
 
 from pypto_serving.kernels import quant_linear as portable
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
-from pypto_serving.kernels.quant_linear import PackedWeight, can_pack
+from pypto_serving.kernels.quant_linear import PackedWeight, can_pack, probe_rows
 
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
 ACTIVATION_QUANTIZATIONS = ("none", "int8", "int16")
@@ -61,7 +61,9 @@ PORTABLE_KERNELS = QuantKernels(portable.pack, portable.quant_linear, portable.q
 
 
 class PackedRows(nn.Module):
-    """A weight [n, k] that arrives in row shards and is packed once every row is in."""
+    """A weight [n, k] that arrives in row shards and is packed once every row is in. With
+    bits None, the 4-bit attempt packs the probe rows first (`probe_rows`): most GGUF
+    types (Q5_0, Q8_0, Q6_K) fail there, and go straight to int8 without a whole 4-bit pack."""
 
     def __init__(self, n: int, k: int, bits: int | None, pack: Pack) -> None:
         super().__init__()
@@ -80,10 +82,22 @@ class PackedRows(nn.Module):
             self._staged = {}
 
     def _pack(self, w: torch.Tensor) -> None:
-        packed, error = self._pack_weight(w, self.bits or 4)
-        if self.bits is None and error > LOSSLESS_STEP_FRACTION:
+        bits = self.bits or (4 if self._pack_weight(probe_rows(w), 4)[1] <= LOSSLESS_STEP_FRACTION else 8)
+        packed, error = self._pack_weight(w, bits)
+        if self.bits is None and bits == 4 and error > LOSSLESS_STEP_FRACTION:
             packed, _ = self._pack_weight(w, 8)
-        self.packed = packed
+        self.use_packed(packed)
+
+    @property
+    def allowed_bits(self) -> tuple[int, ...]:
+        return (self.bits,) if self.bits else (4, 8)
+
+    def use_packed(self, packed: PackedWeight) -> None:
+        """Takes a weight packed earlier (the weight cache's) as this one's."""
+        if (packed.n, packed.k) != (self.n, self.k) or packed.bits not in self.allowed_bits:
+            raise ValueError(f"a packed [{packed.n}, {packed.k}] int{packed.bits} weight does not fit "
+                             f"a [{self.n}, {self.k}] int{'/int'.join(map(str, self.allowed_bits))} one")
+        self.packed, self._staged = packed, {}
         for name in ("q", "scale", "zero"):  # buffers, so weight-size accounting sees them
             self.register_buffer(name, getattr(packed, name), persistent=False)
 

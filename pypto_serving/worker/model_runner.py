@@ -41,6 +41,7 @@ from pypto_serving.worker.prompt_logprobs import score_prompts, wants_prompt_log
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled
 from pypto_serving.worker.speculative import kept, row_states, verify
+from pypto_serving.worker.weight_cache import load_with_cache
 
 log = structlog.get_logger()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,8 +64,8 @@ def weight_source(model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         from pypto_serving.loader.gguf_file import load_gguf_tensors
         from pypto_serving.loader.gguf_reader import read_gguf
 
-        total = len(read_gguf(model.path).tensors)
-        return with_progress(load_gguf_tensors(model.path, model.arch), total, "loading weights")
+        gguf = read_gguf(model.path)
+        return with_progress(load_gguf_tensors(gguf, model.arch), len(gguf.tensors), "loading weights")
     raise ValueError(f"unknown model format {model.format!r}; expected 'hf' or 'gguf'")
 
 
@@ -82,7 +83,8 @@ class ModelRunner:
         self.kernels, self.activation_quantization = self.backend.kernels_used(
             quant.weights, quant.activations)
         self.model = build_model(self.arch, self.dtype, self.device, cfg.limits.max_model_len, layers)
-        load_weights(self.model, self.arch, weight_source(cfg.model))
+        self.weights_from = load_with_cache(
+            self.model, cfg, lambda: load_weights(self.model, self.arch, weight_source(cfg.model)))
         self.weight_bytes = module_bytes(self.model)
         self.seqs: dict[int, SeqState] = {}
         self._seeds = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)

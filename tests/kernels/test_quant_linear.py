@@ -11,6 +11,7 @@ from pypto_serving.kernels.quant_linear import (
     GROUP,
     dequantize,
     pack,
+    probe_rows,
     quant_embedding,
     quant_linear,
     unpack_levels,
@@ -41,6 +42,19 @@ def test_gguf_grids_pack_losslessly(bits: int) -> None:
     packed, error = pack(w, bits)
     assert error < 1e-3
     assert torch.equal(dequantize(packed), w)
+
+
+@pytest.mark.parametrize("n", [40, 300, 1001])
+def test_the_probe_rows_error_never_exceeds_the_whole_weights(n: int) -> None:
+    """--quantization auto trusts a probe that misses the lossless bound to prove the whole
+    weight misses it: the probe's groups get the steps they get in the whole weight."""
+    w = on_grid(n, 96, 4, seed=n)
+    w[n // 3 :: 7] = torch.randn_like(w[n // 3 :: 7])  # some rows off the grid
+    probe = probe_rows(w)
+    assert probe.shape[0] == (n if n <= 64 else 64)  # a small weight is its own probe
+    assert pack(probe, 4)[1] <= pack(w, 4)[1]
+    for rows in (w[: n // 3], w):  # all on the grid: both lossless; else both off it
+        assert (pack(probe_rows(rows), 4)[1] < 1e-3) == (pack(rows, 4)[1] < 1e-3)
 
 
 def test_off_grid_weights_report_their_error() -> None:

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.loader.arch import ModelArch
 from pypto_serving.loader.hf import arch_from_hf_config, load_hf_config
 from pypto_serving.messages.worker import (
     ActivationQuantization,
@@ -74,7 +75,8 @@ def worker_config(model: Path | ModelConfig, **overrides: object) -> WorkerConfi
                     block_size=BLOCK_SIZE, max_num_blocks=256, kv_cache_bytes=1 << 22,
                     gpu_memory_utilization=0.9, max_num_seqs=8,
                     max_model_len=128, max_num_batched_tokens=64, quantization="none",
-                    activation_quantization="none", tokenizer_json="", eos_token_id=None, seed=None)
+                    activation_quantization="none", tokenizer_json="", eos_token_id=None, seed=None,
+                    weight_cache_dir="")
     if unknown := set(overrides) - set(defaults):
         raise TypeError(f"worker_config has no field {sorted(unknown)}")
     kw = defaults | overrides
@@ -89,6 +91,7 @@ def worker_config(model: Path | ModelConfig, **overrides: object) -> WorkerConfi
                           ActivationQuantization(kw["activation_quantization"])),
         grammar=GrammarConfig(kw["tokenizer_json"], kw["eos_token_id"]),
         seed=kw["seed"],
+        weight_cache_dir=str(kw["weight_cache_dir"]),
     )
 
 
@@ -172,3 +175,48 @@ class Oracle:
         with torch.no_grad():
             out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
         return out[0, len(prompt) :].tolist()
+
+
+def write_tiny_gguf(path: Path, name: str = "llama") -> Path:
+    """A tiny checkpoint as llama.cpp would convert it: linears in Q4_1 (packed to int4 by
+    --quantization auto), the embedding and lm_head in Q8_0, norms in F32."""
+    import gguf
+    from gguf.quants import quantize
+
+    from pypto_serving.loader.gguf_file import _GLOBAL_NAMES, _LAYER_NAMES
+
+    hf = build_hf_model(name)
+    a, arch = arch_from_hf_config(hf.config.to_dict()), hf.config.model_type
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in (("block_count", a.num_layers), ("context_length", a.max_position_embeddings),
+                       ("embedding_length", a.hidden_size), ("feed_forward_length", a.intermediate_size),
+                       ("attention.head_count", a.num_heads), ("attention.head_count_kv", a.num_kv_heads),
+                       ("vocab_size", a.vocab_size)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", a.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", a.rope_theta)
+    names = {hf_name: ours for ours, hf_name in _GLOBAL_NAMES.items()}
+    names |= {part: ours for ours, part in _LAYER_NAMES.items()}
+    for hf_name, tensor in hf.state_dict().items():
+        writer_name, data = _gguf_tensor(hf_name, tensor.numpy(), names, a)
+        q = gguf.GGMLQuantizationType
+        head = "embd" in writer_name or writer_name.startswith("output.")
+        qtype = q.F32 if data.ndim == 1 else q.Q8_0 if head else q.Q4_1
+        raw = data if qtype == q.F32 else quantize(data, qtype)
+        writer.add_tensor(writer_name, raw, raw_dtype=None if qtype == q.F32 else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_tensor(hf_name: str, data: object, names: dict[str, str], arch: ModelArch) -> tuple[str, object]:
+    if hf_name in names:
+        return names[hf_name], data
+    _, _, layer, *part, kind = hf_name.split(".")
+    ours = names[".".join(part)]
+    heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(ours)
+    if heads and kind == "weight" and arch.family == "llama":  # llama.cpp's converter permutes Q and K rows
+        data = data.reshape(heads, 2, data.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(data.shape)
+    return f"blk.{layer}.{ours}.{kind}", data
