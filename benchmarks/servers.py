@@ -27,11 +27,10 @@ def free_port() -> int:
 
 
 def ours_command(model: str, extra: list[str]) -> list[str]:
-    # A 512-token step budget (llama-server's micro-batch, too): on a CPU a 512-row GEMM is
-    # already at peak, and smaller steps let the first prompts decode while later ones prefill.
+    # Our defaults otherwise (the CPU's 512-token step budget is llama-server's micro-batch too).
     return [sys.executable, "-m", "pypto_serving", "--model", model, "--host", "127.0.0.1", "--port", PORT,
-            "--max-num-seqs", str(MAX_SEQS), "--max-model-len", str(MAX_LEN), "--max-num-batched-tokens",
-            "512", "--log-level", "warning", *extra]
+            "--max-num-seqs", str(MAX_SEQS), "--max-model-len", str(MAX_LEN), "--log-level", "warning",
+            *extra]
 
 
 def llama_server_command(model: str, binary: str | None, threads: int) -> list[str]:

@@ -4,10 +4,11 @@ workload (each prompt is a piece of this repository's code and the start of a co
     python -m benchmarks.speculative [--model qwen2.5-coder-0.5b] [--reps 2] [--k 5]
 
 Starts pypto-serving twice on the same model (default flags, plus `--speculative-config
-'{"method": "ngram", "num_speculative_tokens": K}'` for the second), runs each workload
-(c1 and c16, greedy, 128 new tokens) on both alternately, prints output tok/s and TPOT per
-run, the ratio speculative / plain as median [min, max] over repetitions, and whether every
-prompt's text was the same on both (greedy speculation must not change it).
+'{"method": "ngram", "num_speculative_tokens": K}'` for the second), runs each workload (c1
+and c16, greedy, 256-token pieces and 256 new tokens) on both alternately, prints output
+tok/s and TPOT per run, the ratio speculative / plain as median [min, max] over repetitions,
+and whether every prompt's text was the same on both (greedy speculation must not change
+it; where not, where the first one parts).
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from benchmarks.serve_bench import BenchConfig, BenchResult, run_benchmark
 from benchmarks.servers import Server, ours_command
 from pypto_serving.app.packaged_models import resolve_short_name
 
-LOADS = {"c1": BenchConfig(dataset="rewrite", input_len=384, output_len=128, num_prompts=4, concurrency=1,
-                           warmup=1, ignore_eos=False, temperature=0.0),
-         "c16": BenchConfig(dataset="rewrite", input_len=384, output_len=128, num_prompts=16, concurrency=16,
-                            warmup=1, ignore_eos=False, temperature=0.0)}
+REWRITE = BenchConfig(dataset="rewrite", input_len=256, output_len=256, warmup=1, temperature=0.0)
+LOADS = {"c1": replace(REWRITE, num_prompts=4, concurrency=1),
+         "c16": replace(REWRITE, num_prompts=16, concurrency=16)}
 
 
 def accepted(url: str) -> dict:
@@ -47,6 +47,17 @@ async def run(servers: dict[str, Server], reps: int) -> dict[tuple[str, str], li
                 print(f"rep {rep} {load:<4} {name:<6} out {result.output_throughput:6.1f} tok/s  "
                       f"TPOT p50 {result.tpot_ms.p50:6.1f} ms  failed {result.failed}", flush=True)
     return runs
+
+
+def first_difference(plain: list[BenchResult], fast: list[BenchResult]) -> str | None:
+    """Where the first prompt whose texts differ parts, with some context; None: all equal."""
+    for rep, (p, f) in enumerate(zip(plain, fast, strict=True)):
+        for i, (a, b) in enumerate(zip(p.texts, f.texts, strict=True)):
+            if a != b:
+                j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+                at = slice(max(0, j - 30), j + 30)
+                return f"rep {rep} prompt {i} at char {j}: {a[at]!r} / {b[at]!r}"
+    return None
 
 
 def spread(values: list[float]) -> str:
@@ -70,13 +81,15 @@ def main() -> int:
     finally:
         for server in servers.values():
             server.stop()
-    print(f"\n{'workload':<10}{'plain tok/s':>22}{'ngram tok/s':>22}{'ratio':>22}  same text")
+    print(f"\n{'workload':<10}{"plain tok/s":>26}{"ngram tok/s":>26}{"ratio":>22}  same text")
     for load in LOADS:
         plain, fast = runs[(load, "plain")], runs[(load, "ngram")]
         ratios = [f.output_throughput / p.output_throughput for p, f in zip(plain, fast, strict=True)]
-        same = all(p.texts == f.texts for p, f in zip(plain, fast, strict=True))
-        print(f"{load:<10}{spread([r.output_throughput for r in plain]):>22}"
-              f"{spread([r.output_throughput for r in fast]):>22}{spread(ratios):>22}  {same}")
+        difference = first_difference(plain, fast)
+        print(f"{load:<10}{spread([r.output_throughput for r in plain]):>26}"
+              f"{spread([r.output_throughput for r in fast]):>26}{spread(ratios):>22}  {difference is None}")
+        if difference:
+            print(f"  texts part: {difference}")
     if stats.get("num_draft_tokens"):
         kept, proposed = stats["num_accepted_tokens"], stats["num_draft_tokens"]
         print(f"proposals kept: {kept} of {proposed} ({kept / proposed:.0%}) in {stats['num_drafts']} steps")

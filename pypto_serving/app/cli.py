@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive_int, default=None,
                    help="KV page size in tokens (default 16, 128 on npu)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="running requests (default 16)")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=4096,
-                   help="tokens per engine step (default 4096)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="tokens per engine step (default 512 on the CPU, 4096 on accelerators)")
     p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=2048,
                    help="prefill chunk size per request (default 2048)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",

@@ -104,13 +104,30 @@ def _devices(args: argparse.Namespace) -> tuple[int, ...]:
     return ids
 
 
-def _scheduler(args: argparse.Namespace) -> SchedulerConfig:
-    if not args.enable_chunked_prefill and args.max_num_batched_tokens < args.max_model_len:
-        raise FlagError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at "
+# --max-num-batched-tokens when not given. On a CPU a 512-row GEMM already runs at its peak,
+# and steps that small let a wave's first prompts decode while the later ones prefill (c16
+# 128/128 on SmolLM2: TTFT p50 4.7 s with 4096, see docs/performance.md); accelerators take
+# bigger steps.
+STEP_BUDGETS = {"portable": 512, "cpu": 512, "cuda": 4096, "npu": 4096}
+
+
+def step_budget(args: argparse.Namespace, backend: str) -> int:
+    """Tokens per step: the flag, else the backend's budget (at least --max-model-len without
+    chunked prefill, where a prompt must fit one step)."""
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    budget = STEP_BUDGETS[backend]
+    return budget if args.enable_chunked_prefill else max(budget, args.max_model_len)
+
+
+def _scheduler(args: argparse.Namespace, backend: str) -> SchedulerConfig:
+    budget = step_budget(args, backend)
+    if not args.enable_chunked_prefill and budget < args.max_model_len:
+        raise FlagError(f"--max-num-batched-tokens ({budget}) must be at "
                         f"least --max-model-len ({args.max_model_len}) without chunked prefill")
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=budget,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=args.enable_chunked_prefill,
         max_model_len=args.max_model_len,
@@ -194,10 +211,11 @@ def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], Generat
         defaults = parse_generate_config(args.generate_config)
     except GenerateConfigError as exc:
         raise FlagError(f"--generate-config: {exc}") from None
-    _scheduler(args)
+    backend = pick_backend(args.backend)
+    _scheduler(args, backend)
     _profile(args)
     weight_cache_dir(args)
-    return pick_backend(args.backend), _devices(args), defaults
+    return backend, _devices(args), defaults
 
 
 def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSettings:
@@ -207,7 +225,8 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
                         f"length ({source.arch.max_position_embeddings})")
     block_size = args.block_size or _BLOCK_SIZES[backend]
     worker = _worker(args, source, backend, devices, block_size)
-    engine = EngineConfig(worker, _scheduler(args), CacheConfig(block_size, args.enable_prefix_caching),
+    cache = CacheConfig(block_size, args.enable_prefix_caching)
+    engine = EngineConfig(worker, _scheduler(args, backend), cache,
                           RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len),
                           _admission(args), args.restart_worker, args.log_requests, args.max_log_len)
     return ServerSettings(engine, defaults, args.served_model_name or source.default_name, backend,
@@ -267,7 +286,7 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
                             DType(_kv_dtype(args, dtype, quantization))),
         kv_cache=KVCacheConfig(block_size, _max_blocks(args, block_size),
                                args.kv_cache_memory or DEFAULT_CPU_KV_BYTES, args.gpu_memory_utilization),
-        limits=StepLimits(args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens),
+        limits=StepLimits(args.max_num_seqs, args.max_model_len, step_budget(args, backend)),
         quant=QuantConfig(Quantization(quantization), ActivationQuantization(
             _activation_quantization(args, backend, dtype, quantization))),
         log=LogConfig(LogFormat(args.log_format), args.log_level),

@@ -21,7 +21,7 @@ import msgspec
 from pypto_serving.core.block_allocator import Allocation, BlockAllocator, Demand, Grant
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.core.sequence import SeqStatus, Sequence
-from pypto_serving.core.speculative import NgramIndex, SpeculativeConfig, can_speculate
+from pypto_serving.core.speculative import LOOKBACK, NgramIndex, SpeculativeConfig, can_speculate
 from pypto_serving.messages.worker import ScheduledSeq, StepPlan, StepResult
 
 
@@ -87,7 +87,7 @@ class Scheduler:
         spec = self.config.speculative
         if spec is not None and can_speculate(seq.sampling):
             seq.ngrams = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                    (*seq.prompt_ids, *seq.output_ids))
+                                    (*seq.prompt_ids, *seq.output_ids)[-LOOKBACK:])
         self.waiting.append(seq)
         self._by_id[seq.seq_id] = seq
 

@@ -24,6 +24,9 @@ from pypto_serving.core.sampling_params import SamplingParams
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
 LOOKUP_MIN, LOOKUP_MAX = 2, 5  # the n-gram lengths matched when the flag names neither
+# A prompt is indexed from its last LOOKBACK tokens: indexing runs on the scheduler's event
+# loop at admission (~0.5 us per token and n-gram length).
+LOOKBACK = 4096
 
 
 @dataclass(frozen=True, slots=True)
