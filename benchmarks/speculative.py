@@ -81,7 +81,7 @@ def main() -> int:
     finally:
         for server in servers.values():
             server.stop()
-    print(f"\n{'workload':<10}{"plain tok/s":>26}{"ngram tok/s":>26}{"ratio":>22}  same text")
+    print(f"\n{'workload':<10}{'plain tok/s':>26}{'ngram tok/s':>26}{'ratio':>22}  same text")
     for load in LOADS:
         plain, fast = runs[(load, "plain")], runs[(load, "ngram")]
         ratios = [f.output_throughput / p.output_throughput for p, f in zip(plain, fast, strict=True)]
