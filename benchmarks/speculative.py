@@ -70,7 +70,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     args = p.parse_args()
-    model = str(resolve_short_name(args.model))
+    model = str(resolve_short_name(args.model) or args.model)
     spec = f'{{"method": "ngram", "num_speculative_tokens": {args.k}}}'
     commands = {"plain": ours_command(model, []),
                 "ngram": ours_command(model, ["--speculative-config", spec])}

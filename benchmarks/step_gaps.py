@@ -75,7 +75,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        command = ours_command(str(resolve_short_name(args.model)),
+        command = ours_command(str(resolve_short_name(args.model) or args.model),
                                ["--profile", "--profile-output", str(out), "--profile-level", "e2e"])
         server = Server("ours", command).start()
         try:

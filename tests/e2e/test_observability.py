@@ -60,7 +60,7 @@ def test_startup_complete_means_the_socket_accepts(ops_server: ServerProcess):
     summary = events[:events.index("Application startup complete")]
     expected = [f"Serving on http://127.0.0.1:{ops_server.port}", "Model: smollm2 (",
                 "Platform: a2a3, backend cpu, device groups [[0]]", "Parallelism: replicas 1, dp 1, tp 1",
-                "Max running requests: 16", "Max scheduled tokens per step: 4096",
+                "Max running requests: 16", "Max scheduled tokens per step: 512",
                 "Prefill chunk size: 2048", "Prefix cache: enabled", "Chunked prefill: enabled",
                 "KV cache: ", "Profiling: levels e2e,kernel"]
     for start in expected:
