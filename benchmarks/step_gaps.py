@@ -7,7 +7,8 @@ Starts pypto-serving with `--profile --profile-level e2e`, records a trace while
 c16 load runs and again while a c1 load runs (128/128 random token prompts, greedy), and
 reads the device worker's `forward` spans from the merged trace:
 - c16: the gap from the end of one forward to the start of the next, while requests run
-  (the step result's trip to the API process, planning, and the next plan's trip back);
+  (the step result's trip to the API process, planning, and the next plan's trip back), and
+  the planning alone (the scheduler's `schedule` span);
 - c1: the median inter-token latency the client saw, less the median decode forward: what
   HTTP, detokenizing, the scheduler and the pipes add to each token.
 Prints median [p10, p90] in milliseconds as JSON.
@@ -32,9 +33,10 @@ from pypto_serving.app.packaged_models import resolve_short_name
 BASE = BenchConfig(input_len=128, output_len=128, temperature=0.0, ignore_eos=True, warmup=2)
 
 
-def forwards(trace: dict) -> list[tuple[float, float, int]]:
-    """(start us, end us, tokens) of the device worker's forward spans, in time order."""
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == "forward"]
+def forwards(trace: dict, name: str = "forward") -> list[tuple[float, float, int]]:
+    """(start us, end us, tokens) of the spans called `name` (the device worker's forward
+    steps by default; "schedule": the API process planning a step), in time order."""
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == name]
     return sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("tokens", 0)) for e in spans)
 
 
@@ -63,7 +65,9 @@ async def measure(server: Server, out: Path, requests: int) -> dict:
     c1, result = await profiled(server, replace(BASE, concurrency=1, num_prompts=max(2, requests // 8)), out)
     decode = [(e - s) / 1000 for s, e, tokens in forwards(c1) if tokens == 1]
     itl = result.itl_ms.p50
+    planning = [(e - s) / 1000 for s, e, _ in forwards(c16, "schedule")]
     return {"c16_gap_between_forwards_ms": quantiles(gaps_ms(forwards(c16))),
+            "c16_planning_ms": quantiles(planning),
             "c1_itl_ms": round(itl, 3), "c1_decode_forward_ms": quantiles(decode),
             "c1_overhead_per_token_ms": round(itl - statistics.median(decode), 3)}
 
