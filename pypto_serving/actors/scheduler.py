@@ -6,7 +6,8 @@ Sends one `StepPlan` at a time to the device worker and `Tokens` to request stre
 State owned: the pure `Scheduler` (queues, sequences and, through its allocator, the KV
 block tables), who to reply to per sequence, when each waiting sequence was submitted
 (queue-time metric and trace spans).
-Invariants: at most one step is in flight; every sequence that ends has its blocks freed and
+Invariants: at most one step is in flight (two with async scheduling: the second planned
+while the first runs, its sampled tokens placeholders); every sequence that ends has its blocks freed and
 its request told, exactly once; after `AbortAll` or engine death every new submission ends
 at once; a step's tokens reach the request streams after the next step has gone to the
 device worker (their detokenizing and HTTP writes then overlap the device's work instead of
@@ -49,7 +50,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self._reply_to: dict[int, Mailbox] = {}
         self._undelivered: list[TokenEvent] = []  # the last step's tokens, until the next is sent
         self._queued: dict[int, tuple[float, int | None]] = {}  # seq_id -> (submitted us, lane)
-        self._sent_at = 0.0  # when the step in flight was sent (us)
+        self._sent_at: dict[int, float] = {}  # step id -> when it was sent (us)
         self._phases = SequencePhases(self.metrics)
         self.dead_reason: str | None = None
         self.closed_reason: str | None = None
@@ -93,24 +94,30 @@ class SchedulerActor(Actor[SchedulerInbox]):
     def _step_done(self, result: StepResult) -> None:
         if self.dead_reason is not None:
             return  # the engine died while the step ran
-        self.recorder.complete("step", "engine", self._sent_at, step_id=result.step_id,
-                               sampled=len(result.seq_ids))
+        self.recorder.complete("step", "engine", self._sent_at.pop(result.step_id, clock_us()),
+                               step_id=result.step_id, sampled=len(result.seq_ids))
         self._step(result)
 
     def _step(self, result: StepResult | None) -> None:
-        """One engine step: plan the next step from the last one's result, send it, then
+        """One engine step: plan the next step from the last one's result, send it (with
+        async scheduling also the one after it, while the device runs the first), then
         deliver the last step's tokens."""
         start = clock_us()
         plan, events = self.scheduler.step(result)
         self._undelivered.extend(events)
-        if plan is not None:
-            self._sent_at = clock_us()
-            self.recorder.complete("schedule", "engine", start, self._sent_at,
-                                   step_id=plan.step_id, seqs=len(plan.seqs))
-            self._dequeue(s.seq_id for s in plan.seqs if s.reset)
-            self.metrics.observe("iteration_tokens", sum(len(s.token_ids) for s in plan.seqs))
-            self.worker.send(plan)
+        while plan is not None:
+            self._send(plan, start)
+            start = clock_us()
+            plan = self.scheduler.schedule() if self.scheduler.can_plan_ahead else None
         self._deliver_tokens()
+
+    def _send(self, plan: StepPlan, planned_from: float) -> None:
+        self._sent_at[plan.step_id] = sent = clock_us()
+        self.recorder.complete("schedule", "engine", planned_from, sent, step_id=plan.step_id,
+                               seqs=len(plan.seqs))
+        self._dequeue(s.seq_id for s in plan.seqs if s.reset)
+        self.metrics.observe("iteration_tokens", sum(len(s.token_ids) for s in plan.seqs))
+        self.worker.send(plan)
 
     def _abort(self, seq_id: int, reason: str) -> None:
         seq = self.scheduler.abort(seq_id, reason)

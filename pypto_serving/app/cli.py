@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per engine step (default 512 on the CPU, 4096 on accelerators)")
     p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=2048,
                    help="prefill chunk size per request (default 2048)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan each step while the one before runs (default on; not with "
+                        "--speculative-config)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding without a draft model, as vLLM spells it: '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\' (optional: '

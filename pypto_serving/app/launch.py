@@ -158,6 +158,7 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
     log.info(f"Prefill chunk size: {sched.long_prefill_token_threshold}")
     log.info(f"Prefix cache: {'enabled' if cfg.cache.enable_prefix_caching else 'disabled'}")
     log.info(f"Chunked prefill: {'enabled' if sched.enable_chunked_prefill else 'disabled'}")
+    log.info(f"Async scheduling: {'on' if sched.max_in_flight > 1 else 'off'}")
     spec = sched.speculative
     log.info("Speculative decoding: " + ("off" if spec is None else
              f"ngram, {spec.num_speculative_tokens} tokens, n-grams of {spec.prompt_lookup_min}.."

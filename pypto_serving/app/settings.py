@@ -132,6 +132,7 @@ def _scheduler(args: argparse.Namespace, backend: str) -> SchedulerConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         max_model_len=args.max_model_len,
         speculative=_speculative(args.speculative_config),
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -104,6 +104,17 @@ class BlockAllocator:
         """The sequence's blocks in position order (read only: the allocator's own list)."""
         return self._owners[seq_id].block_ids
 
+    def fits(self, demands: list[Demand]) -> bool:
+        """Whether `allocate(demands)` surely needs no preemption: the free and evictable
+        blocks cover every running sequence's growth and every new one's whole known tokens."""
+        need = 0
+        for d in demands:
+            if d.prompt_ids is None:
+                need += max(0, self.blocks_for(d.num_tokens) - len(self._owners[d.seq_id].block_ids))
+            else:
+                need += self.blocks_for(d.total_tokens)
+        return need <= self.num_available
+
     # -- one step --------------------------------------------------------------
     def allocate(self, demands: list[Demand]) -> Allocation:
         grants, preempted, denied = [], [], []

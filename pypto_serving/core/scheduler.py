@@ -33,6 +33,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int = 1024
     speculative: SpeculativeConfig | None = None  # n-gram proposals for decode steps
+    # Plan the next step while one runs (its sampled tokens are placeholders the worker fills
+    # in); not with speculation, whose steps sample a varying number of tokens.
+    async_scheduling: bool = False
+
+    @property
+    def max_in_flight(self) -> int:
+        return 2 if self.async_scheduling and self.speculative is None else 1
 
 
 @dataclass(slots=True)
@@ -73,11 +80,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[int, Sequence] = {}
-        self._planned: dict[int, int] = {}  # seq_id -> tokens computed by the step in flight
+        self._sampled: dict[int, list[int]] = {}  # step id -> the sequences it samples for
         self._drafts: dict[int, list[int]] = {}  # seq_id -> its proposals in the step in flight
         self.spec = SpecDecodeStats()
         self._dropped: list[int] = []  # sequences the worker may forget
-        self._in_flight: int | None = None  # the step id of the plan the worker is running
+        self._flight: deque[int] = deque()  # step ids of the plans the worker has, oldest first
         self._step_id = 0
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens computed (cache hits excluded, recomputes included)
@@ -112,7 +119,12 @@ class Scheduler:
     @property
     def in_flight(self) -> bool:
         """A plan was handed out and its result has not come back."""
-        return self._in_flight is not None
+        return bool(self._flight)
+
+    @property
+    def can_plan_ahead(self) -> bool:
+        """Another plan may go out before the last one's result (async scheduling)."""
+        return bool(self._flight) and len(self._flight) < self.config.max_in_flight and self.has_work
 
     @property
     def num_running(self) -> int:
@@ -130,19 +142,25 @@ class Scheduler:
         return self.schedule(), events
 
     def schedule(self) -> StepPlan | None:
-        """The next step's plan, now in flight; None when nothing can run."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight} is still in flight")
-        plan = self._plan()
-        self._in_flight = plan.step_id if plan is not None else None
-        if not self.has_work:
+        """The next step's plan, now in flight; None when nothing can run. With a step in
+        flight (async scheduling) only a plan that needs no preemption goes out."""
+        if len(self._flight) >= self.config.max_in_flight:
+            raise RuntimeError(f"step {self._flight[-1]} is still in flight")
+        plan = self._plan(ahead=bool(self._flight))
+        if plan is not None:
+            self._flight.append(plan.step_id)
+        if not self.has_work and not self._flight:
             self._check_idle()
         return plan
 
-    def _plan(self) -> StepPlan | None:
-        """Retries while the allocator preempted someone: the freed blocks may fit a step."""
+    def _plan(self, ahead: bool = False) -> StepPlan | None:
+        """Retries while the allocator preempted someone: the freed blocks may fit a step.
+        `ahead`: a step is in flight; preempting now would take blocks it writes, so a plan
+        that does not fit the free blocks waits for its result instead."""
         while self.has_work:
             demands = self._propose()
+            if ahead and not self.allocator.fits(demands):
+                return None
             allocation = self.allocator.allocate(demands)
             plan = self._commit(demands, allocation)
             if plan is not None or not allocation.preempted:
@@ -161,6 +179,8 @@ class Scheduler:
         self._drafts = {}
         speculating = self._speculating()
         for seq in self.running:
+            if seq.at_limit(self.config.max_model_len):
+                continue  # the token a step in flight samples is its last
             n = min(seq.num_pending, budget, self._chunk_cap(seq))
             if speculating and n == seq.num_pending == 1 and seq.ngrams is not None:
                 draft = seq.ngrams.propose(self._draft_room(seq, budget))
@@ -230,8 +250,14 @@ class Scheduler:
         if n <= 0:
             return None
         self.num_prefill_tokens += max(0, min(seq.num_computed + n, seq.num_prompt_tokens) - seq.num_computed)
-        self._planned[seq.seq_id] = n
-        return self._chunk(seq, n)
+        chunk = self._chunk(seq, n)
+        # Counted as computed now: the worker runs plans in order, so every later plan finds
+        # this KV written (proposals count once the worker has kept them).
+        seq.computed(n - chunk.num_draft)
+        if chunk.sample:
+            seq.inflight += 1
+            self._sampled.setdefault(self._step_id + 1, []).append(seq.seq_id)
+        return chunk
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
         start, table = seq.num_computed, self.allocator.block_table(seq.seq_id)
@@ -243,7 +269,7 @@ class Scheduler:
             token_ids=seq.token_slice(start, start + known) + draft,
             start_pos=start,
             new_block_ids=table[sent:],
-            sample=start + known == seq.num_tokens,
+            sample=start + known == seq.num_tokens + seq.inflight,
             reset=reset,
             prefix_ids=seq.token_slice(0, start) if reset else [],
             num_prompt_tokens=seq.num_prompt_tokens if reset else 0,
@@ -259,21 +285,22 @@ class Scheduler:
         return msgspec.structs.replace(seq.sampling, prompt_logprobs=None)
 
     def apply(self, result: StepResult) -> list[TokenEvent]:
-        """Applies the step in flight's tokens; sequences that ended free their blocks."""
-        if result.step_id != self._in_flight:
-            raise RuntimeError(f"result of step {result.step_id}, but {self._in_flight} is in flight")
-        self._in_flight = None
-        planned, self._planned = self._planned, {}
-        drafts, self._drafts = self._drafts, {}
+        """Applies the oldest step in flight's tokens; sequences that ended free their blocks."""
+        if not self._flight or result.step_id != self._flight[0]:
+            oldest = self._flight[0] if self._flight else None
+            raise RuntimeError(f"result of step {result.step_id}, but {oldest} is in flight")
+        self._flight.popleft()
+        drafts, self._drafts = self._drafts, {}  # (speculation: one step in flight at most)
         got = Counter(result.seq_ids) if drafts else {}
-        for seq_id, n in planned.items():
+        for seq_id in self._sampled.pop(result.step_id, []):
             seq = self._by_id.get(seq_id)
-            if seq is not None and seq.status is SeqStatus.RUNNING:
-                if seq_id in drafts:  # only the kept proposals' KV counts as computed
-                    accepted = got.get(seq_id, 1) - 1
-                    n -= len(drafts[seq_id]) - accepted
-                    self.spec.count(len(drafts[seq_id]), accepted)
-                seq.computed(n)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.inflight -= 1
+            if seq_id in drafts:  # the kept proposals' KV counts as computed
+                accepted = got.get(seq_id, 1) - 1
+                seq.computed(accepted)
+                self.spec.count(len(drafts[seq_id]), accepted)
         for scored in result.prompt_logprobs:
             seq = self._by_id.get(scored.seq_id)
             if seq is not None and seq.status is SeqStatus.RUNNING and seq.wants_prompt_logprobs:
@@ -310,5 +337,6 @@ class Scheduler:
         seqs = list(self.running) + list(self.waiting)
         for seq in seqs:
             self.abort(seq.seq_id, reason)
-        self._planned, self._in_flight = {}, None
+        self._sampled, self._drafts = {}, {}
+        self._flight.clear()
         return seqs

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.core.speculative import NgramIndex
+from pypto_serving.messages.worker import PLACEHOLDER
 
 
 class SeqStatus(enum.Enum):
@@ -40,6 +41,7 @@ class Sequence:
     # output token takes them along
     prompt_scores: list[tuple[float, int, list]] = field(default_factory=list)
     ngrams: NgramIndex | None = None  # with n-gram speculation: where its next tokens come from
+    inflight: int = 0  # tokens that steps in flight will sample for it (async scheduling: up to 2)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -56,17 +58,24 @@ class Sequence:
 
     @property
     def num_pending(self) -> int:
-        return self.num_tokens - self.num_computed
+        """Tokens still to go through the model, counting those steps in flight will sample."""
+        return self.num_tokens + self.inflight - self.num_computed
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end - 1; PLACEHOLDER where a step in flight will sample one."""
         prompt_len = len(self.prompt_ids)
         head = list(self.prompt_ids[start:min(end, prompt_len)])
         tail = self.output_ids[max(start - prompt_len, 0):max(end - prompt_len, 0)]
-        return head + tail
+        return head + tail + [PLACEHOLDER] * (end - max(start, self.num_tokens))
+
+    def at_limit(self, max_model_len: int) -> bool:
+        """The tokens steps in flight will sample end it (max_tokens or the context)."""
+        return self.inflight > 0 and (self.num_output_tokens + self.inflight >= self.max_tokens
+                                      or self.num_tokens + self.inflight >= max_model_len)
 
     def admit(self, num_cached: int) -> None:
         self.status = SeqStatus.RUNNING

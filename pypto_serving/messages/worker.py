@@ -110,6 +110,11 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     weight_cache_dir: str = ""  # `--weight-cache-dir`: packed weights kept across starts ("": none)
 
 
+# In `ScheduledSeq.token_ids`: the token the worker sampled for the sequence in the step
+# before (async scheduling plans a step while the one before it runs).
+PLACEHOLDER = -1
+
+
 class ScheduledSeq(msgspec.Struct, frozen=True, array_like=True):
     """One sequence's share of a step.
 

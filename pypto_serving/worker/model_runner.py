@@ -39,7 +39,7 @@ from pypto_serving.worker.memory import module_bytes
 from pypto_serving.worker.progress import with_progress
 from pypto_serving.worker.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from pypto_serving.worker.sampler_state import sampling_tensors
-from pypto_serving.worker.seq_state import SeqState, apply_scheduled
+from pypto_serving.worker.seq_state import SeqState, apply_scheduled, resolve_placeholders
 from pypto_serving.worker.speculative import kept, row_states, verify
 from pypto_serving.worker.weight_cache import load_with_cache
 
@@ -110,27 +110,30 @@ class ModelRunner:
         """The step's result and the logits it sampled from ([sampled seqs, vocab], float32)."""
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
-        states = [apply_scheduled(self.seqs, s, self.device, self.grammars, self._seeds) for s in plan.seqs]
-        if not plan.seqs:
+        seqs = [resolve_placeholders(self.seqs, s) for s in plan.seqs]
+        states = [apply_scheduled(self.seqs, s, self.device, self.grammars, self._seeds) for s in seqs]
+        if not seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.arch.vocab_size)
-        batch = prepare(plan.seqs, states, self.block_size, self.device)
+        batch = prepare(seqs, states, self.block_size, self.device)
         self.backend.after_step(batch.attn.all_decode)
         hidden = self._hidden(batch, self.kv_caches)
         # Only the last token of each sampled chunk goes through lm_head (and, for prompt
         # logprobs, the prompt rows of the sequences that asked for them).
         logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
-        prompt = (score_prompts(plan.seqs, states, hidden, self.model.compute_logits)
-                  if wants_prompt_logprobs(plan.seqs, states) else [])
-        sampled = row_states(plan.seqs, states)
+        prompt = (score_prompts(seqs, states, hidden, self.model.compute_logits)
+                  if wants_prompt_logprobs(seqs, states) else [])
+        sampled = row_states(seqs, states)
         if not sampled:
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
         tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars)
         out, seq_ids = sample(logits, tensors, self.backend.argmax), batch.sample_seq_ids
-        if any(s.num_draft for s in plan.seqs):
-            keep = verify(plan.seqs, states, out.token_ids.tolist())
+        if any(s.num_draft for s in seqs):
+            keep = verify(seqs, states, out.token_ids.tolist())
             out, sampled, seq_ids = kept(out, keep), [sampled[i] for i in keep], [seq_ids[i] for i in keep]
         result = step_result(plan.step_id, seq_ids, out, sampled, prompt)
         advance([st.matcher for st in sampled], result.token_ids)
+        for state, token in zip(sampled, result.token_ids, strict=True):
+            state.last_sampled = token  # (a sequence's last kept row last)
         return result, logits
 
     def _hidden(self, batch: StepBatch, kv_caches: list[KVCache]) -> torch.Tensor:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import llguidance
+import msgspec
 import torch
 
 from pypto_serving.core.sampling_params import SamplingParams
-from pypto_serving.messages.worker import ScheduledSeq
+from pypto_serving.messages.worker import PLACEHOLDER, ScheduledSeq
 from pypto_serving.worker.grammar import Grammars
 
 
@@ -23,6 +24,7 @@ class SeqState:
     # prompt logprobs: the log-softmax [1, V] of the last chunk's last row, which predicts the
     # next chunk's first token (worker/prompt_logprobs.py)
     held_prompt_row: torch.Tensor | None = None
+    last_sampled: int | None = None  # what a PLACEHOLDER in its next chunk stands for
 
     @property
     def num_output_tokens(self) -> int:
@@ -76,6 +78,17 @@ def apply_scheduled(
     state = states[s.seq_id]
     state.record_chunk(s.start_pos, s.token_ids)
     return state
+
+
+def resolve_placeholders(states: dict[int, SeqState], s: ScheduledSeq) -> ScheduledSeq:
+    """`s` with its PLACEHOLDER (the token a plan made while the step before ran could not
+    know) replaced by the token this worker sampled for the sequence in that step."""
+    if PLACEHOLDER not in s.token_ids:
+        return s
+    state = states.get(s.seq_id)
+    if s.reset or state is None or state.last_sampled is None or s.token_ids != [PLACEHOLDER]:
+        raise ValueError(f"seq {s.seq_id}: a placeholder token with no sampled token to stand for")
+    return msgspec.structs.replace(s, token_ids=[state.last_sampled])
 
 
 def _restart(

@@ -8,7 +8,7 @@ from pypto_serving.core.block_allocator import BlockAllocator, Demand
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.core.sequence import Sequence
-from pypto_serving.messages.worker import PromptLogprobs, StepPlan, StepResult
+from pypto_serving.messages.worker import PLACEHOLDER, PromptLogprobs, StepPlan, StepResult
 
 EOS = 99
 
@@ -334,3 +334,68 @@ def test_a_scored_prompt_is_computed_even_when_cached():
     h.sched.add(plain)
     h.run()
     assert scored.num_cached_tokens == 0 and plain.num_cached_tokens == 12
+
+
+class AsyncHarness(Harness):
+    """Two plans in flight: each result comes back after the next plan went out, as the
+    device worker answers them in order; tokens are decided by `next_token(seq_id, step)`."""
+
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, prefix: bool = True, **cfg):
+        super().__init__(num_blocks, block_size, prefix, **cfg)
+        self.sched = Scheduler(SchedulerConfig(async_scheduling=True, **cfg), self.alloc)
+        self.flight: list[StepPlan] = []
+        self.next_token = lambda seq_id: 7
+
+    def step(self) -> StepPlan | None:
+        while self.sched.in_flight is False or self.sched.can_plan_ahead:
+            plan = self.sched.schedule()
+            if plan is None:
+                break
+            self.plans.append(plan)
+            self.flight.append(plan)
+        if not self.flight:
+            return None
+        plan = self.flight.pop(0)
+        sampled = [s.seq_id for s in plan.seqs if s.sample]
+        self.sched.apply(StepResult(plan.step_id, sampled, [self.next_token(s) for s in sampled]))
+        self.alloc.check_integrity()
+        return plan
+
+
+def test_async_scheduling_plans_ahead_with_placeholders_and_gives_the_same_tokens():
+    counts: dict[int, int] = {}
+
+    def token(seq_id: int) -> int:  # a different token each time, EOS on seq 1's 5th
+        counts[seq_id] = counts.get(seq_id, 0) + 1
+        return EOS if (seq_id, counts[seq_id]) == (1, 5) else 20 + counts[seq_id]
+
+    outputs = {}
+    for harness in (Harness, AsyncHarness):
+        counts.clear()
+        h = harness(max_num_batched_tokens=10, long_prefill_token_threshold=6)
+        h.next_token = token
+        seqs = make_sequences(3, prompt_len=8, max_tokens=7)
+        for s in seqs:
+            h.sched.add(s)
+        h.run()
+        outputs[harness] = [(s.output_ids, s.finish_reason) for s in seqs]
+        assert h.alloc.num_available == h.alloc.num_blocks and not h.sched.in_flight
+        if harness is AsyncHarness:
+            ahead = [s for p in h.plans for s in p.seqs if s.token_ids == [PLACEHOLDER]]
+            assert ahead and all(not s.reset for s in ahead)
+    assert outputs[Harness] == outputs[AsyncHarness]
+    assert outputs[Harness][1] == ([21, 22, 23, 24, EOS], "eos")
+    assert outputs[Harness][0] == ([21, 22, 23, 24, 25, 26, 27], "length")
+
+
+def test_async_scheduling_waits_instead_of_preempting_under_a_step_in_flight():
+    h = AsyncHarness(num_blocks=6, block_size=4)  # 24 slots for 2 x (8 + 8) tokens
+    seqs = make_sequences(2, prompt_len=8, max_tokens=8)
+    for s in seqs:
+        h.sched.add(s)
+    h.next_token = lambda seq_id: 50 + seq_id
+    h.run()
+    assert h.sched.num_preemptions >= 1
+    assert [s.output_ids for s in seqs] == [[50] * 8, [51] * 8]
+    resets = [s for p in h.plans for s in p.seqs if s.reset]
+    assert all(PLACEHOLDER not in s.token_ids + s.prefix_ids for s in resets)

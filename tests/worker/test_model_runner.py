@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from pypto_serving.backends.cuda import CudaBackend
 from pypto_serving.core.sampling_params import SamplingParams
-from pypto_serving.messages.worker import ScheduledSeq, StepPlan
+from pypto_serving.messages.worker import PLACEHOLDER, ScheduledSeq, StepPlan
 from pypto_serving.worker.kv_cache import bytes_per_block
 from pypto_serving.worker.model_runner import ModelRunner
 from tests.worker.tiny_models import Driver, worker_config
@@ -188,3 +189,17 @@ def test_server_seed_makes_unseeded_requests_repeatable(driver) -> None:
     assert other != runs[0] and free != runs[0]
     seeded = SamplingParams(temperature=1.0, seed=99)  # a request's own seed still wins
     assert generate(driver("llama", seed=7)[0], 1, 12, seeded) == generate(driver("llama")[0], 1, 12, seeded)
+
+
+def test_a_placeholder_token_is_the_one_sampled_for_the_sequence_in_the_step_before(driver) -> None:
+    """Async scheduling sends a decode step before the worker has answered the one before:
+    its token is PLACEHOLDER, and the worker reads it as the token it sampled there."""
+    want = generate(driver("llama")[0], 1, 6, SamplingParams())
+    d, _ = driver("llama")
+    d.step([d.add(1, PROMPT, len(PROMPT))])
+    for _ in range(5):
+        d.step([msgspec.structs.replace(d.next(1), token_ids=[PLACEHOLDER])])
+    assert d.tokens[1][len(PROMPT):] == want
+    with pytest.raises(ValueError, match="placeholder"):
+        d.step([ScheduledSeq(2, [PLACEHOLDER], 0, d.alloc(1), True, reset=True, num_prompt_tokens=1,
+                             sampling=SamplingParams())])
