@@ -92,8 +92,8 @@ class SchedulerActor(Actor[SchedulerInbox]):
             self._step(None)
 
     def _step_done(self, result: StepResult) -> None:
-        if self.dead_reason is not None:
-            return  # the engine died while the step ran
+        if self.dead_reason is not None or self.closed_reason is not None:
+            return  # the engine died (or every sequence was ended) while the step ran
         self.recorder.complete("step", "engine", self._sent_at.pop(result.step_id, clock_us()),
                                step_id=result.step_id, sampled=len(result.seq_ids))
         self._step(result)

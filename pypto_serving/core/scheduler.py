@@ -105,9 +105,10 @@ class Scheduler:
             return None
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            self._dropped.append(seq_id)
         else:
             self.waiting.remove(seq)
+        if seq.num_cached_tokens is not None:  # admitted once (maybe preempted since): the
+            self._dropped.append(seq_id)  # worker holds its state
         self.allocator.free(seq_id, seq.num_computed)
         seq.finish(reason)
         return seq

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import signal
 import sys
+import threading
 
 import msgspec
 import structlog
@@ -103,16 +105,19 @@ IDLE_AFTER_S = 1.0  # a worker this long without a step plan counts as idle
 def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
            profiler: WorkerProfiler) -> None:
     decoder = msgspec.msgpack.Decoder(StepPlan | Shutdown | StartProfile | StopProfile)
+    inbox = _reader(conn)
     idle = True
     while True:
         try:
-            if not idle and not conn.poll(IDLE_AFTER_S):
-                runner.idle()  # no step for a while: hand back what the last ones kept
-                idle = True
-            msg = decoder.decode(conn.recv_bytes())
-            idle = idle and not isinstance(msg, StepPlan)
-        except (EOFError, OSError):  # the parent is gone: leave no orphan behind
+            data = inbox.get(timeout=None if idle else IDLE_AFTER_S)
+        except queue.Empty:
+            runner.idle()  # no step for a while: hand back what the last ones kept
+            idle = True
+            continue
+        if data is None:  # the parent is gone: leave no orphan behind
             return
+        msg = decoder.decode(data)
+        idle = idle and not isinstance(msg, StepPlan)
         match msg:
             case StepPlan():
                 reply = _execute(runner, msg, profiler)
@@ -129,6 +134,24 @@ def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
             conn.send_bytes(encoder.encode(reply))
         except OSError:
             return
+
+
+def _reader(conn: object) -> queue.SimpleQueue:
+    """The parent's messages, read by a thread of their own as they come: with async
+    scheduling the next plan arrives while a step runs, and a parent blocked writing a big
+    plan must not wait for that step (nor, writing while this process writes a big result,
+    deadlock with it). None once the pipe is closed."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            inbox.put(None)
+
+    threading.Thread(target=read, name="pipe-reader", daemon=True).start()
+    return inbox
 
 
 def _execute(runner: object, plan: StepPlan, profiler: WorkerProfiler) -> StepResult:

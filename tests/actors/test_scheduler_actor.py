@@ -74,6 +74,28 @@ async def test_abort_all_ends_running_and_waiting_and_later_submissions():
     await stop(actor, inbox)
 
 
+async def test_results_of_steps_that_ran_past_abort_all_are_ignored():
+    """The worker still answers the steps in flight when every sequence was ended (shutdown)."""
+    faults = []
+    alloc = BlockAllocator(16, 4)
+    worker = FakeWorker()
+    policy = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, async_scheduling=True), alloc)
+    actor = SchedulerActor(policy, worker, on_fault=lambda a, m, e: faults.append(e))
+    actor.start()
+    inbox = Inbox()
+    inbox.start()
+    submit(actor, inbox, 0)
+    await settle()
+    assert len(worker.plans) == 2  # a prefill and, planned ahead, the decode after it
+    actor.tell(AbortAll("aborted"))
+    for plan in worker.plans:
+        actor.tell(StepResult(plan.step_id, [0], [7]))
+    await settle()
+    assert faults == [] and [m.finish_reason for m in inbox.received] == ["aborted"]
+    alloc.check_integrity()
+    await stop(actor, inbox)
+
+
 async def test_worker_death_errors_every_request_and_frees_its_blocks():
     actor, alloc, metrics = await started(max_num_seqs=4)
     inbox = Inbox()

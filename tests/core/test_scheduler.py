@@ -390,3 +390,16 @@ def test_async_scheduling_plans_ahead_with_placeholders_and_gives_the_same_token
     assert outputs[Harness] == outputs[AsyncHarness]
     assert outputs[Harness][1] == ([21, 22, 23, 24, EOS], "eos")
     assert outputs[Harness][0] == ([21, 22, 23, 24, 25, 26, 27], "length")
+
+
+def test_a_preempted_sequence_aborted_while_waiting_is_dropped_by_the_worker():
+    h = Harness(num_blocks=6, block_size=4)  # 24 token slots for 2 x (8 + 8) tokens
+    seqs = make_sequences(2, prompt_len=8, max_tokens=8)
+    for s in seqs:
+        h.sched.add(s)
+    while not any(s.num_preemptions and s in h.sched.waiting for s in seqs):
+        assert h.step() is not None
+    victim = next(s for s in seqs if s in h.sched.waiting)
+    h.sched.abort(victim.seq_id, "aborted")
+    plan = h.step()
+    assert victim.seq_id in plan.finished  # the worker forgets its state (it had been admitted)
