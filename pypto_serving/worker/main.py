@@ -104,19 +104,19 @@ IDLE_AFTER_S = 1.0  # a worker this long without a step plan counts as idle
 
 def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
            profiler: WorkerProfiler) -> None:
-    decoder = msgspec.msgpack.Decoder(StepPlan | Shutdown | StartProfile | StopProfile)
     inbox = _reader(conn)
     idle = True
     while True:
         try:
-            data = inbox.get(timeout=None if idle else IDLE_AFTER_S)
+            msg = inbox.get(timeout=None if idle else IDLE_AFTER_S)
         except queue.Empty:
             runner.idle()  # no step for a while: hand back what the last ones kept
             idle = True
             continue
-        if data is None:  # the parent is gone: leave no orphan behind
+        if msg is None:  # the parent is gone: leave no orphan behind
             return
-        msg = decoder.decode(data)
+        if isinstance(msg, Exception):
+            raise msg
         idle = idle and not isinstance(msg, StepPlan)
         match msg:
             case StepPlan():
@@ -137,18 +137,23 @@ def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
 
 
 def _reader(conn: object) -> queue.SimpleQueue:
-    """The parent's messages, read by a thread of their own as they come: with async
-    scheduling the next plan arrives while a step runs, and a parent blocked writing a big
-    plan must not wait for that step (nor, writing while this process writes a big result,
-    deadlock with it). None once the pipe is closed."""
+    """The parent's messages, read and decoded by a thread of their own as they come: with
+    async scheduling the next plan arrives while a step runs, and a parent blocked writing a
+    big plan must not wait for that step (nor, writing while this process writes a big
+    result, deadlock with it). Ends after `Shutdown`; None once the pipe is closed, the
+    exception when a message does not decode."""
+    decoder = msgspec.msgpack.Decoder(StepPlan | Shutdown | StartProfile | StopProfile)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def read() -> None:
         try:
-            while True:
-                inbox.put(conn.recv_bytes())
+            while not isinstance(msg := decoder.decode(conn.recv_bytes()), Shutdown):
+                inbox.put(msg)
+            inbox.put(msg)
         except (EOFError, OSError):
             inbox.put(None)
+        except Exception as exc:  # an undecodable message: the serving loop raises it
+            inbox.put(exc)
 
     threading.Thread(target=read, name="pipe-reader", daemon=True).start()
     return inbox
