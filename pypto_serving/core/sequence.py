@@ -74,8 +74,11 @@ class Sequence:
 
     def at_limit(self, max_model_len: int) -> bool:
         """The tokens steps in flight will sample end it (max_tokens or the context)."""
-        return self.inflight > 0 and (self.num_output_tokens + self.inflight >= self.max_tokens
-                                      or self.num_tokens + self.inflight >= max_model_len)
+        return self.inflight > 0 and self._at_length(self.inflight, max_model_len)
+
+    def _at_length(self, more: int, max_model_len: int) -> bool:
+        """`more` tokens on, it has its max_tokens or fills the context."""
+        return self.num_output_tokens + more >= self.max_tokens or self.num_tokens + more >= max_model_len
 
     def admit(self, num_cached: int) -> None:
         self.status = SeqStatus.RUNNING
@@ -124,6 +127,6 @@ class Sequence:
         """Why the sequence ends after its newest token, or None to go on."""
         if self.output_ids and self.output_ids[-1] in self.stop_token_ids:
             return "eos"  # http/ reports it as "stop"; offline mode prints "eos"
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if self._at_length(0, max_model_len):
             return "length"
         return None

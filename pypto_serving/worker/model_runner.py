@@ -37,7 +37,7 @@ from pypto_serving.worker.kv_cache import (
 )
 from pypto_serving.worker.memory import module_bytes
 from pypto_serving.worker.progress import with_progress
-from pypto_serving.worker.prompt_logprobs import score_prompts, wants_prompt_logprobs
+from pypto_serving.worker.prompt_logprobs import score_prompts
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled, resolve_placeholders
 from pypto_serving.worker.speculative import kept, row_states, verify
@@ -117,11 +117,8 @@ class ModelRunner:
         batch = prepare(seqs, states, self.block_size, self.device)
         self.backend.after_step(batch.attn.all_decode)
         hidden = self._hidden(batch, self.kv_caches)
-        # Only the last token of each sampled chunk goes through lm_head (and, for prompt
-        # logprobs, the prompt rows of the sequences that asked for them).
-        logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
-        prompt = (score_prompts(seqs, states, hidden, self.model.compute_logits)
-                  if wants_prompt_logprobs(seqs, states) else [])
+        logits = self._sample_logits(batch, hidden)
+        prompt = score_prompts(seqs, states, hidden, self.model.compute_logits)
         sampled = row_states(seqs, states)
         if not sampled:
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
@@ -135,6 +132,11 @@ class ModelRunner:
         for state, token in zip(sampled, result.token_ids, strict=True):
             state.last_sampled = token  # (a sequence's last kept row last)
         return result, logits
+
+    def _sample_logits(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Only the sampled rows go through lm_head (and, for prompt logprobs, the prompt rows
+        of the sequences that asked for them: score_prompts)."""
+        return self.model.compute_logits(hidden[batch.sample_rows]).float()
 
     def _hidden(self, batch: StepBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         """The final hidden states of every row of the step."""
@@ -162,7 +164,7 @@ class ModelRunner:
         seq = _dummy_seq(tokens, blocks)
         state = apply_scheduled({}, seq, self.device)
         batch = prepare([seq], [state], self.block_size, self.device)
-        self.model.compute_logits(self._hidden(batch, self._allocate(blocks))[batch.sample_rows])
+        self._sample_logits(batch, self._hidden(batch, self._allocate(blocks)))
 
 
 def _dummy_seq(tokens: int, blocks: int) -> ScheduledSeq:

@@ -20,14 +20,10 @@ PIECE_ROWS = 256
 Logits = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, H] -> logits [N, V]
 
 
-def wants_prompt_logprobs(seqs: list[ScheduledSeq], states: list[SeqState]) -> bool:
-    return any(st.sampling.prompt_logprobs is not None and s.start_pos < st.num_prompt_tokens
-               for s, st in zip(seqs, states, strict=True))
-
-
 def score_prompts(seqs: list[ScheduledSeq], states: list[SeqState], hidden: torch.Tensor,
                   logits: Logits) -> list[PromptLogprobs]:
-    """The prompt logprobs this step's chunks give; `hidden` has every row of the step."""
+    """The prompt logprobs this step's chunks give (none when no chunk of a sequence that
+    asked covers prompt tokens); `hidden` has every row of the step."""
     out, begin = [], 0
     for s, st in zip(seqs, states, strict=True):
         n, k = len(s.token_ids), st.sampling.prompt_logprobs
