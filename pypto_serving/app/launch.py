@@ -151,7 +151,7 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
     log.info(f"Model: {settings.served_name} ({model.path}, {model.arch.family}, "
              f"dtype {cfg.worker.device.dtype})")
     log.info(f"Platform: {settings.platform}, backend {settings.backend}, "
-             f"device groups {[list(settings.devices)]}")
+             f"device groups {[list(g) for g in settings.device_groups]}")
     log.info("Parallelism: replicas 1, dp 1, tp 1")
     log.info(f"Max running requests: {sched.max_num_seqs}; max model len: {sched.max_model_len}")
     log.info(f"Max scheduled tokens per step: {sched.max_num_batched_tokens}")

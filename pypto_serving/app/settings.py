@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from pypto_serving.actors.engine import Admission, CacheConfig, EngineConfig
 from pypto_serving.actors.request import RequestLimits
@@ -29,6 +32,7 @@ from pypto_serving.messages.worker import (
     LogFormat,
     ModelConfig,
     ModelFormat,
+    ParallelConfig,
     QuantConfig,
     Quantization,
     StepLimits,
@@ -55,7 +59,7 @@ class ServerSettings:
     served_name: str
     backend: str
     platform: str
-    devices: tuple[int, ...]
+    device_groups: tuple[tuple[int, ...], ...]  # one per replica (--dp), tp device ids each
     host: str
     port: int
     profile: ProfileConfig | None = None
@@ -64,6 +68,23 @@ class ServerSettings:
     responses_store_size: int = 1000  # /v1/responses kept for previous_response_id
     http: HttpLimits = HttpLimits()
     edge: EdgeConfig = EdgeConfig()
+
+    def replica(self, index: int) -> EngineConfig:
+        """Replica `index`'s engine config: `engine` on that replica's device group."""
+        return replica_config(self.engine, self.device_groups[index], self.backend)
+
+
+def replica_config(engine: EngineConfig, group: tuple[int, ...], backend: str) -> EngineConfig:
+    worker = engine.worker
+    device = msgspec.structs.replace(worker.device, device=torch_device(backend, group[0]))
+    parallel = msgspec.structs.replace(worker.parallel, devices=list(group))
+    return dataclasses.replace(engine, worker=msgspec.structs.replace(worker, device=device,
+                                                                       parallel=parallel))
+
+
+def torch_device(backend: str, device_id: int) -> str:
+    """The torch device string of one device id ("cpu" for the backends on the host)."""
+    return "cpu" if backend in _ON_THE_HOST else f"{backend}:{device_id}"
 
 
 def _torch_has_cuda() -> bool:
@@ -91,17 +112,20 @@ def pick_backend(requested: str | None) -> str:
     return "cuda" if has_cuda else "npu" if has_npu else "cpu"
 
 
-def _devices(args: argparse.Namespace) -> tuple[int, ...]:
+def _device_groups(args: argparse.Namespace) -> tuple[tuple[int, ...], ...]:
+    """--devices split into --dp groups of --tp ids. Without --device(s), ids 0..dp*tp-1."""
     if args.device is not None and args.devices is not None:
         raise FlagError("--device and --devices: give only one of them")
-    ids = tuple(args.devices or args.device or [0])
-    if args.tensor_parallel_size * args.data_parallel_size != len(ids):
-        raise FlagError(f"--devices: {len(ids)} device(s) given but --dp x --tp is "
-                        f"{args.data_parallel_size * args.tensor_parallel_size}")
-    if len(ids) > 1:
-        raise FlagError("--tensor-parallel-size/--data-parallel-size above 1 are not "
-                        "supported yet: serve on one device")
-    return ids
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    ids = tuple(args.devices or args.device or range(dp * tp))
+    if tp * dp != len(ids):
+        raise FlagError(f"--devices: {len(ids)} device(s) given but --dp x --tp is {dp * tp}")
+    if tp > 1:
+        raise FlagError("--tensor-parallel-size above 1 is not supported yet: serve on one "
+                        "device per replica")
+    if dp > 1:
+        raise FlagError("--data-parallel-size above 1 is not supported yet: serve one replica")
+    return tuple(ids[i * tp:(i + 1) * tp] for i in range(dp))
 
 
 # --max-num-batched-tokens when not given. On a CPU a 512-row GEMM already runs at its peak,
@@ -192,7 +216,7 @@ def _kv_dtype(args: argparse.Namespace, dtype: str, quantization: str) -> str:
     return "float16" if quantization != "none" and dtype == "float32" else dtype
 
 
-def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], GenerateDefaults]:
+def check_flags(args: argparse.Namespace) -> tuple[str, tuple[tuple[int, ...], ...], GenerateDefaults]:
     """Everything that can be checked before the model is looked at."""
     if not 0 < args.gpu_memory_utilization <= 1:
         raise FlagError("--gpu-memory-utilization must be in (0, 1]")
@@ -216,22 +240,22 @@ def check_flags(args: argparse.Namespace) -> tuple[str, tuple[int, ...], Generat
     _scheduler(args, backend)
     _profile(args)
     weight_cache_dir(args)
-    return backend, _devices(args), defaults
+    return backend, _device_groups(args), defaults
 
 
 def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSettings:
-    backend, devices, defaults = check_flags(args)
+    backend, groups, defaults = check_flags(args)
     if args.max_model_len > source.arch.max_position_embeddings:
         raise FlagError(f"--max-model-len {args.max_model_len} exceeds the model's context "
                         f"length ({source.arch.max_position_embeddings})")
     block_size = args.block_size or _BLOCK_SIZES[backend]
-    worker = _worker(args, source, backend, devices, block_size)
+    worker = _worker(args, source, backend, groups[0], block_size)
     cache = CacheConfig(block_size, args.enable_prefix_caching)
     engine = EngineConfig(worker, _scheduler(args, backend), cache,
                           RequestLimits(args.max_model_len, defaults.max_new_tokens or args.max_model_len),
                           _admission(args), args.restart_worker, args.log_requests, args.max_log_len)
     return ServerSettings(engine, defaults, args.served_model_name or source.default_name, backend,
-                          args.platform, devices, args.host, args.port, _profile(args),
+                          args.platform, groups, args.host, args.port, _profile(args),
                           args.shutdown_timeout, _parsers(args, source.arch.family),
                           args.responses_store_size, _http_limits(args), edge_config(args))
 
@@ -280,7 +304,7 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
             block_size: int) -> WorkerConfig:
     dtype = _DTYPES[backend] if args.dtype == "auto" else args.dtype
     quantization = _quantization(args, backend)
-    device = "cpu" if backend in _ON_THE_HOST else f"{backend}:{devices[0]}"
+    device = torch_device(backend, devices[0])
     return WorkerConfig(
         model=ModelConfig(str(source.path), ModelFormat(source.format), source.arch),
         device=DeviceConfig(BackendName(backend), device, DType(dtype),
@@ -293,6 +317,7 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
         log=LogConfig(LogFormat(args.log_format), args.log_level),
         seed=args.seed,
         weight_cache_dir=weight_cache_dir(args),
+        parallel=ParallelConfig(list(devices)),
     )
 
 

@@ -96,6 +96,20 @@ class GrammarConfig(msgspec.Struct, frozen=True):
     eos_token_id: int | None = None  # the EOS llguidance allows once a grammar is complete
 
 
+class ParallelConfig(msgspec.Struct, frozen=True):
+    """One replica's device group: `devices[r]` is tensor-parallel rank r's device id."""
+
+    devices: list[int] = msgspec.field(default_factory=lambda: [0])
+    master_addr: str = "127.0.0.1"  # where rank 0's torch.distributed store listens
+    master_port: int = 0  # 0: a free port, picked when the group starts
+    nnodes: int = 1  # hosts the group spans; ranks are split evenly, node 0 has rank 0
+    timeout_s: float = 120.0  # how long the ranks wait for each other at startup
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+
 class WorkerConfig(msgspec.Struct, frozen=True):
     """Everything the device worker is started with, one small config per concern."""
 
@@ -108,6 +122,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     grammar: GrammarConfig = msgspec.field(default_factory=GrammarConfig)
     seed: int | None = None  # `--seed`: where unseeded requests' seeds come from (None: at random)
     weight_cache_dir: str = ""  # `--weight-cache-dir`: packed weights kept across starts ("": none)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
 
 
 # In `ScheduledSeq.token_ids`: the token the worker sampled for the sequence in the step
