@@ -1,7 +1,9 @@
 """The main-process side of a device worker: starts its process, moves messages over its pipe.
 
 Results, profile replies and the worker's death arrive through the event loop's reader
-callbacks; see actors/device_worker.py for the worker process and the messages.
+callbacks; see worker/main.py for the worker process and messages/worker.py for the messages.
+With tensor parallelism the client also starts this node's other ranks of the group
+(`start_rank`); the death of any of them is the worker's death.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import structlog
 from multiprocess.connection import Connection
 
 from pypto_serving.messages.worker import (
+    ParallelConfig,
     ProfileStopped,
+    RankStart,
     Shutdown,
     StartProfile,
     StepPlan,
@@ -53,56 +57,72 @@ class DeviceWorkerClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StepResult | ProfileStopped)
         self._conn = None
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | None = None  # rank 0: the one on the pipe
+        self.ranks: list[subprocess.Popen] = []  # this node's other tensor-parallel ranks
         self._sentinel: int | None = None  # a pidfd: readable once the process has exited
+        self._rank_sentinels: list[int] = []
         self._stopping = False
         self._gone = False
         self._profile_reply: asyncio.Future | None = None
 
     async def start(self) -> WorkerReady:
+        parallel = self.cfg.parallel
+        if parallel.tp > 1 and parallel.master_port == 0:
+            parallel = msgspec.structs.replace(parallel, master_port=free_port(parallel.master_addr))
+            self.cfg = msgspec.structs.replace(self.cfg, parallel=parallel)
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
         child = theirs.detach()
-        # The child imports exactly what this process would: its sys.path, and (-P) no
-        # current directory in front of it.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-P", "-m", "pypto_serving.worker.main", str(child)],
-                pass_fds=(child,), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(child,), env=_child_env(), stdin=subprocess.DEVNULL)
         finally:
             os.close(child)
         # The worker ignores SIGTERM; an exit that skipped stop() must not leave it behind.
         atexit.register(self.kill)
         self._sentinel = _pidfd(self.process.pid)
+        self.ranks = [start_rank(r, parallel, self.cfg) for r in range(1, parallel.tp // parallel.nnodes)]
+        self._rank_sentinels = [fd for p in self.ranks if (fd := _pidfd(p.pid)) is not None]
         try:
             ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
         except WorkerStartError:
+            self.kill()
             self._close()
             raise
         loop = asyncio.get_running_loop()
         loop.add_reader(self._conn.fileno(), self._readable)
-        if self._sentinel is not None:
-            loop.add_reader(self._sentinel, self._exited)
+        for fd in self._sentinels:
+            loop.add_reader(fd, self._exited)
         return ready
+
+    @property
+    def _sentinels(self) -> list[int]:
+        return ([] if self._sentinel is None else [self._sentinel]) + self._rank_sentinels
 
     def _close(self) -> None:
         """The pipe and the pidfd of a worker that is gone."""
         if self._conn.closed:
             return
         self._conn.close()
-        if self._sentinel is not None:
-            os.close(self._sentinel)
-            self._sentinel = None
+        for fd in self._sentinels:
+            os.close(fd)
+        self._sentinel, self._rank_sentinels = None, []
+
+    @property
+    def _processes(self) -> list[subprocess.Popen]:
+        return ([] if self.process is None else [self.process]) + self.ranks
 
     def _alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return any(p.poll() is None for p in self._processes)
 
     def _join(self, timeout: float) -> None:
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+        deadline = time.monotonic() + timeout
+        for p in self._processes:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
     def _handshake(self) -> WorkerReady:
         """Sends the config (megabytes with a tokenizer: it blocks until the worker reads it,
@@ -172,18 +192,26 @@ class DeviceWorkerClient:
         self._answer_profile([])
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._conn.fileno())
-        if self._sentinel is not None:
-            loop.remove_reader(self._sentinel)
+        for fd in self._sentinels:
+            loop.remove_reader(fd)
         self._close()
         if not self._stopping:
             self._join(0.1)
-            device = self.cfg.device.device
-            self._on_death(f"device worker {device} died (exit code {self.process.returncode})")
+            self._on_death(self._death_reason())
+
+    def _death_reason(self) -> str:
+        device = self.cfg.device.device
+        if self.process.returncode is not None or not self.ranks:
+            return f"device worker {device} died (exit code {self.process.returncode})"
+        gone = [(r, p.returncode) for r, p in enumerate(self.ranks, 1) if p.returncode is not None]
+        rank, code = gone[0] if gone else (0, None)
+        return f"tensor-parallel rank {rank} of device worker {device} died (exit code {code})"
 
     def kill(self) -> None:
         """At once, without waiting (a second shutdown signal)."""
-        if self._alive():
-            self.process.kill()
+        for p in self._processes:
+            if p.poll() is None:
+                p.kill()
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Asks the worker to exit, then makes sure it did."""
@@ -201,6 +229,26 @@ class DeviceWorkerClient:
         if self._alive():
             self.kill()
         self._join(1)
+
+
+def start_rank(rank: int, parallel: ParallelConfig, cfg: WorkerConfig) -> subprocess.Popen:
+    """Tensor-parallel rank `rank` (not 0) of a group: it joins rank 0 at the master address
+    and takes the rest of its config from there."""
+    start = msgspec.json.encode(RankStart(rank, parallel, cfg.log)).decode()
+    return subprocess.Popen([sys.executable, "-P", "-m", "pypto_serving.worker.main", "--rank", start],
+                            env=_child_env(), stdin=subprocess.DEVNULL)
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports exactly what this process would: its sys.path, and (-P) no current
+    directory in front of it."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
 
 
 def _pidfd(pid: int) -> int | None:

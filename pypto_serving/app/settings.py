@@ -37,7 +37,9 @@ from pypto_serving.messages.worker import (
     Quantization,
     StepLimits,
     WorkerConfig,
+    device_string,
 )
+from pypto_serving.parallel.sharding import check_divisible
 from pypto_serving.parsers import reasoning_parser_for, tool_parser_for, tool_parser_name
 from pypto_serving.telemetry.profiling import DEFAULT_LEVELS, ProfileConfig
 
@@ -49,7 +51,6 @@ class FlagError(ValueError):
 DEFAULT_CPU_KV_BYTES = 1 << 30
 _BLOCK_SIZES = {"portable": 16, "cpu": 16, "cuda": 16, "npu": 128}
 _DTYPES = {"portable": "float32", "cpu": "float32", "cuda": "bfloat16", "npu": "bfloat16"}
-_ON_THE_HOST = ("portable", "cpu")  # backends that run in the worker process's own memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +77,10 @@ class ServerSettings:
 
 def replica_config(engine: EngineConfig, group: tuple[int, ...], backend: str) -> EngineConfig:
     worker = engine.worker
-    device = msgspec.structs.replace(worker.device, device=torch_device(backend, group[0]))
+    device = msgspec.structs.replace(worker.device, device=device_string(backend, group[0]))
     parallel = msgspec.structs.replace(worker.parallel, devices=list(group))
     return dataclasses.replace(engine, worker=msgspec.structs.replace(worker, device=device,
                                                                        parallel=parallel))
-
-
-def torch_device(backend: str, device_id: int) -> str:
-    """The torch device string of one device id ("cpu" for the backends on the host)."""
-    return "cpu" if backend in _ON_THE_HOST else f"{backend}:{device_id}"
 
 
 def _torch_has_cuda() -> bool:
@@ -120,9 +116,6 @@ def _device_groups(args: argparse.Namespace) -> tuple[tuple[int, ...], ...]:
     ids = tuple(args.devices or args.device or range(dp * tp))
     if tp * dp != len(ids):
         raise FlagError(f"--devices: {len(ids)} device(s) given but --dp x --tp is {dp * tp}")
-    if tp > 1:
-        raise FlagError("--tensor-parallel-size above 1 is not supported yet: serve on one "
-                        "device per replica")
     if dp > 1:
         raise FlagError("--data-parallel-size above 1 is not supported yet: serve one replica")
     return tuple(ids[i * tp:(i + 1) * tp] for i in range(dp))
@@ -248,6 +241,9 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
     if args.max_model_len > source.arch.max_position_embeddings:
         raise FlagError(f"--max-model-len {args.max_model_len} exceeds the model's context "
                         f"length ({source.arch.max_position_embeddings})")
+    reason = check_divisible(source.arch, args.tensor_parallel_size)
+    if reason is not None:
+        raise FlagError(f"--tensor-parallel-size {args.tensor_parallel_size}: {reason}")
     block_size = args.block_size or _BLOCK_SIZES[backend]
     worker = _worker(args, source, backend, groups[0], block_size)
     cache = CacheConfig(block_size, args.enable_prefix_caching)
@@ -304,7 +300,7 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
             block_size: int) -> WorkerConfig:
     dtype = _DTYPES[backend] if args.dtype == "auto" else args.dtype
     quantization = _quantization(args, backend)
-    device = torch_device(backend, devices[0])
+    device = device_string(backend, devices[0])
     return WorkerConfig(
         model=ModelConfig(str(source.path), ModelFormat(source.format), source.arch),
         device=DeviceConfig(BackendName(backend), device, DType(dtype),

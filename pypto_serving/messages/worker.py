@@ -110,6 +110,14 @@ class ParallelConfig(msgspec.Struct, frozen=True):
         return len(self.devices)
 
 
+ON_THE_HOST = ("portable", "cpu")  # backends that run in the worker process's own memory
+
+
+def device_string(backend: str, device_id: int) -> str:
+    """The torch device of one device id ("cpu" for the backends on the host)."""
+    return "cpu" if backend in ON_THE_HOST else f"{backend}:{device_id}"
+
+
 class WorkerConfig(msgspec.Struct, frozen=True):
     """Everything the device worker is started with, one small config per concern."""
 
@@ -162,6 +170,19 @@ class StepPlan(msgspec.Struct, frozen=True, tag=True):
     step_id: int
     seqs: list[ScheduledSeq]
     finished: list[int] = []  # sequence ids whose state the worker can drop
+
+
+class Idle(msgspec.Struct, frozen=True, tag=True):
+    """Rank 0 to the other ranks of its group: no step came for a while (they trim memory)."""
+
+
+class RankStart(msgspec.Struct, frozen=True):
+    """What a tensor-parallel rank other than 0 is started with (its one argument, JSON); the
+    rest of its config comes from rank 0 once the group has formed."""
+
+    rank: int
+    parallel: ParallelConfig
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True):

@@ -9,6 +9,7 @@ from pypto_serving.loader.arch import FAMILIES, ModelArch
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import LayerFactory
 from pypto_serving.models.weights import load_weights
+from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 
 
 def build_model(
@@ -17,16 +18,18 @@ def build_model(
     device: torch.device | str,
     max_positions: int = 0,
     layers: LayerFactory | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
     """An uninitialised model on `device` (fill it with `load_weights`).
 
     `max_positions` sizes the rotary cache; 0 means the model's max_position_embeddings.
-    `layers` picks plain or weight-only quantized linears (default: plain, in `dtype`).
+    `layers` picks plain or weight-only quantized linears (default: plain, in `dtype`); `tp`:
+    the tensor-parallel rank whose part of the model this is.
     """
     if arch.family not in FAMILIES:
         raise ValueError(f"unknown model family {arch.family!r}; known: {', '.join(FAMILIES)}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, layers)
+        model = LlamaForCausalLM(arch, layers, tp)
     # Built on meta, so no time or memory goes into a random init that loading overwrites.
     model = _materialize(model.to(dtype), torch.device(device)).eval().requires_grad_(False)
     inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)

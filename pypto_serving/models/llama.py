@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, SmolLM, Mistral; Qwen2 = q/k/v bias; Qwen3 = q/k RMSNorm).
 
 Plain torch over flattened varlen tokens: every activation is [T, ...], T = tokens this step.
-Module names follow Hugging Face except the fused `qkv_proj` and `gate_up_proj`.
+Module names follow Hugging Face except the fused `qkv_proj` and `gate_up_proj`. With tensor
+parallelism (parallel/sharding.py) a rank's modules hold its heads, its slice of the MLP and
+of the vocabulary; o_proj and down_proj sum their partial products over the ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.loader.arch import ModelArch
 from pypto_serving.models.quant import LayerFactory, QuantEmbedding
+from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v [num_blocks, block_size, kv_heads, head_dim]
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim / 2]
@@ -32,8 +35,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, make: LayerFactory) -> None:
+    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.heads, self.kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.sizes = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
         self.qkv_proj = make.linear(arch.hidden_size, sum(self.sizes), bias=arch.attention_bias)
@@ -53,25 +57,26 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.ops.attend(q, k, v, rotary, kv, meta, self.head_dim**-0.5)  # [T, heads, d]
-        return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, make: LayerFactory) -> None:
+    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = make.linear(arch.hidden_size, 2 * arch.intermediate_size)
         self.down_proj = make.linear(arch.intermediate_size, arch.hidden_size)
         self.ops = make.decoder_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, make: LayerFactory) -> None:
+    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, make)
-        self.mlp = MLP(arch, make)
+        self.self_attn = Attention(arch, make, tp)
+        self.mlp = MLP(arch, make, tp)
         self.ops = make.decoder_ops()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
@@ -97,21 +102,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, make: LayerFactory) -> None:
+    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = make.embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, make) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, make, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, make.decoder_ops())
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, make: LayerFactory | None = None) -> None:
+    def __init__(self, arch: ModelArch, make: LayerFactory | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         make = make or LayerFactory()
-        self.arch = arch
-        self.model = LlamaModel(arch, make)
+        self.arch, self.tp = arch, tp  # the whole model's shape; this rank's part of it
+        self.local_arch = local = tp.local_arch(arch)
+        self.model = LlamaModel(local, make, tp)
         if not arch.tie_word_embeddings:
-            self.lm_head = make.linear(arch.hidden_size, arch.vocab_size, head=True)
+            self.lm_head = make.linear(arch.hidden_size, local.vocab_size, head=True)
         # [max_positions, 2, head_dim / 2] float32 cos/sin, filled by build_model.
         self.register_buffer("rope", torch.empty(0), persistent=False)
 
@@ -123,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
+        h = self.tp.embed(self.model.embed_tokens, input_ids, self.arch)
         rotary = rotary_cos_sin(self.rope, positions, h.dtype)  # once per step, not per layer
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
@@ -132,7 +139,10 @@ class LlamaForCausalLM(nn.Module):
         return norm.ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab]."""
+        """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks)."""
+        return self.tp.logits(self._local_logits(hidden), self.arch)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens
         if self.arch.tie_word_embeddings and isinstance(embed, QuantEmbedding):
             return embed.as_linear(hidden)

@@ -9,6 +9,7 @@ from torch import nn
 
 from pypto_serving.loader.arch import ModelArch
 from pypto_serving.models.quant import PackedRows, finish_loading
+from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 
 # HF projection -> (our fused module, shard index within its parameter rows).
 FUSED = {
@@ -21,9 +22,12 @@ FUSED = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]],
+                 tp: TensorParallel = SINGLE) -> None:
     """Copy every (HF name, tensor) into `model`, casting (packing quantized weights as they
-    come); fail on missing or unknown names."""
+    come); fail on missing or unknown names. With `tp`, `model` is one rank's part: each
+    tensor is cut to that part first."""
+    weights, arch = tp.shard_all(weights, arch), tp.local_arch(arch)
     params: dict[str, nn.Parameter | PackedRows] = dict(model.named_parameters())
     params |= {name: m for name, m in model.named_modules() if isinstance(m, PackedRows)}
     expected = {(name, s) for name in params for s in range(len(shard_rows(name, arch)))}

@@ -1,4 +1,5 @@
-"""The device-worker process: `python -m pypto_serving.worker.main FD`.
+"""The device-worker process: `python -m pypto_serving.worker.main FD`, or, for a
+tensor-parallel rank other than 0, `python -m pypto_serving.worker.main --rank RANKSTART_JSON`.
 
 `DeviceWorkerClient` (actors/device_client.py) starts it with one end of a socket pair as FD
 and sends the encoded `WorkerConfig` as the first message; the messages are in
@@ -9,6 +10,11 @@ lifetime), which guards semaphores and shared memory that the worker never uses.
 Handshake, then one reply per request. State owned: model weights, KV cache tensors,
 per-sequence sampler state, its profiler. Knows nothing of queues, HTTP or scheduling
 policy; executes plans as given.
+With tensor parallelism (`--tp N`) rank 0 is the process on the pipe: it forms the group
+with the other ranks (parallel/group.py), hands them its config, and then every plan (its
+placeholders resolved), `Idle` and `Shutdown` it receives (parallel/channel.py). The other
+ranks run each plan on their part of the model and answer nothing; one that fails a step
+exits, which fails rank 0's next collective: engine death, as for one worker.
 Signals: ignores SIGINT and SIGTERM (a terminal's Ctrl-C or `timeout` reach the whole process
 group); the API process drains requests, then sends `Shutdown`; a closed pipe also ends it.
 """
@@ -27,7 +33,9 @@ import structlog
 from multiprocess.connection import Connection
 
 from pypto_serving.messages.worker import (
+    Idle,
     ProfileStopped,
+    RankStart,
     Shutdown,
     StartProfile,
     StepPlan,
@@ -44,6 +52,10 @@ log = structlog.get_logger()
 
 
 def main() -> None:
+    if sys.argv[1] == "--rank":
+        _ignore_signals()
+        follow(msgspec.json.decode(sys.argv[2], type=RankStart))
+        return
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)  # a process the worker starts must not keep the pipe open
     conn = Connection(fd)
@@ -57,8 +69,7 @@ def main() -> None:
 def worker_main(conn: object, config: bytes) -> None:
     """Entry point of the device-worker process: handshake, then one reply per request."""
     cfg = msgspec.msgpack.decode(config, type=WorkerConfig)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    _ignore_signals()
     restore = capture_stray_output() if cfg.log.format == "json" else None
     configure_logging(cfg.log.format, cfg.log.level)
     try:
@@ -68,6 +79,11 @@ def worker_main(conn: object, config: bytes) -> None:
     finally:
         if restore is not None:
             restore()
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _run(conn: object, cfg: WorkerConfig) -> None:
@@ -90,43 +106,87 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
     from pypto_serving.backends import BACKENDS
 
     activities = BACKENDS[cfg.device.backend].profiler_activities
-    _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device.device}", activities))
+    _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device.device}", activities),
+           cfg.parallel.tp)
 
 
-def _build_runner(cfg: WorkerConfig) -> object:
+def _build_runner(cfg: WorkerConfig, rank: int = 0) -> object:
+    """Rank 0 forms its group (if it has one) and hands the other ranks its config; another
+    rank's group has formed already."""
     from pypto_serving.worker.model_runner import ModelRunner  # torch only in this process
 
-    return ModelRunner(cfg)
+    if cfg.parallel.tp == 1:
+        return ModelRunner(cfg)
+    from pypto_serving.parallel import channel, group
+
+    if rank == 0:
+        group.join(cfg.parallel, 0)
+        channel.send(msgspec.msgpack.encode(cfg))
+    ranks = group.RankGroup(cfg.parallel, rank, cfg.device.backend)
+    return ModelRunner(cfg, ranks.tensor_parallel(), ranks.min)
+
+
+def follow(start: RankStart) -> None:
+    """A tensor-parallel rank other than 0: joins the group, takes rank 0's config, then runs
+    every plan rank 0 hands on, until `Shutdown` or rank 0's end."""
+    configure_logging(start.log.format, start.log.level)
+    from pypto_serving.parallel import channel, group
+
+    try:
+        group.join(start.parallel, start.rank)
+        cfg = msgspec.msgpack.decode(channel.receive(), type=WorkerConfig)
+        runner = _build_runner(cfg, start.rank)
+    except Exception as exc:  # rank 0 sees the group fail, and says so
+        log.error("tensor-parallel rank could not start", rank=start.rank,
+                  error=f"{type(exc).__name__}: {exc}")
+        sys.exit(1)
+    gc.collect()
+    gc.freeze()
+    decoder = msgspec.msgpack.Decoder(StepPlan | Idle | Shutdown)
+    try:
+        while not isinstance(msg := decoder.decode(channel.receive()), Shutdown):
+            if isinstance(msg, Idle):
+                runner.idle()
+            else:
+                runner.execute(msg)
+    except Exception:  # a failed step (or rank 0 gone): this rank's end fails the group's collectives
+        log.exception("tensor-parallel rank stopped", rank=start.rank)
+        sys.exit(1)
 
 
 IDLE_AFTER_S = 1.0  # a worker this long without a step plan counts as idle
 
 
 def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
-           profiler: WorkerProfiler) -> None:
+           profiler: WorkerProfiler, tp: int = 1) -> None:
+    """`tp`: the ranks of this worker's tensor-parallel group (1: no group)."""
     inbox = _reader(conn)
     idle = True
+    ranks = _Ranks(runner, encoder, tp)
     while True:
         try:
             msg = inbox.get(timeout=None if idle else IDLE_AFTER_S)
         except queue.Empty:
             runner.idle()  # no step for a while: hand back what the last ones kept
+            ranks.hand_on(Idle())
             idle = True
             continue
         if msg is None:  # the parent is gone: leave no orphan behind
+            ranks.hand_on(Shutdown())
             return
         if isinstance(msg, Exception):
             raise msg
         idle = idle and not isinstance(msg, StepPlan)
         match msg:
             case StepPlan():
-                reply = _execute(runner, msg, profiler)
+                reply = _execute(runner, ranks.hand_on(msg), profiler)
             case StartProfile(levels, prefix):
                 profiler.start(levels, prefix)
                 continue
             case StopProfile():
                 reply = ProfileStopped(profiler.stop())
             case Shutdown():
+                ranks.hand_on(msg)
                 return
             case _:
                 raise TypeError(f"device worker cannot handle {type(msg).__name__}")
@@ -134,6 +194,28 @@ def _serve(conn: object, runner: object, encoder: msgspec.msgpack.Encoder,
             conn.send_bytes(encoder.encode(reply))
         except OSError:
             return
+
+
+class _Ranks:
+    """The other ranks of rank 0's tensor-parallel group (none without one)."""
+
+    def __init__(self, runner: object, encoder: msgspec.msgpack.Encoder, size: int) -> None:
+        self.runner, self.encoder, self.size = runner, encoder, size
+
+    def hand_on(self, msg: StepPlan | Idle | Shutdown) -> StepPlan | Idle | Shutdown:
+        """`msg` to every other rank; a plan with its placeholders resolved first (they do not
+        sample). A rank gone makes the step's collectives fail: the step reports it."""
+        if self.size == 1:
+            return msg
+        from pypto_serving.parallel import channel
+
+        if isinstance(msg, StepPlan):
+            msg = self.runner.resolve(msg)
+        try:
+            channel.send(self.encoder.encode(msg))
+        except RuntimeError as exc:
+            log.error("a tensor-parallel rank is gone", error=str(exc))
+        return msg
 
 
 def _reader(conn: object) -> queue.SimpleQueue:

@@ -2,13 +2,16 @@
 
 execute(plan) = drop finished -> update sequence states -> prepare -> forward -> sample
 (-> constrained sequences' matchers consume their tokens). Everything that differs between
-devices is the backend's (backends/), chosen once from `--backend`.
+devices is the backend's (backends/), chosen once from `--backend`. With tensor parallelism
+every rank runs the same steps on its part of the model (the collectives are the model's);
+rank 0 alone samples and answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import msgspec
 import structlog
 import torch
 
@@ -25,8 +28,10 @@ from pypto_serving.messages.worker import (
     StepResult,
     TopLogprob,
     WorkerConfig,
+    device_string,
 )
 from pypto_serving.models import build_model, load_weights
+from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 from pypto_serving.worker.batch import StepBatch, prepare
 from pypto_serving.worker.grammar import Grammars, advance
 from pypto_serving.worker.kv_cache import (
@@ -70,11 +75,15 @@ def weight_source(model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class ModelRunner:
-    def __init__(self, cfg: WorkerConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: WorkerConfig, tp: TensorParallel = SINGLE,
+                 agree: Callable[[int], int] = lambda blocks: blocks) -> None:
+        """`tp`: this rank's place in its group; `agree(n)`: the smallest of every rank's n."""
+        self.cfg, self.tp = cfg, tp
         self.arch, self.block_size = cfg.model.arch, cfg.kv_cache.block_size
         self.dtype = torch_dtype(cfg.device.dtype)
-        self.backend = make_backend(cfg.device.backend, cfg.device.device, self.dtype)
+        device = cfg.device.device if tp.size == 1 else device_string(
+            cfg.device.backend, cfg.parallel.devices[tp.rank])
+        self.backend = make_backend(cfg.device.backend, device, self.dtype)
         self.device = self.backend.device
         self.backend.before_loading()
         self.kv_dtype = torch_dtype(cfg.device.kv_cache_dtype, auto=self.dtype)
@@ -82,20 +91,22 @@ class ModelRunner:
         layers = self.backend.layers(quant.weights, quant.activations)
         self.kernels, self.activation_quantization = self.backend.kernels_used(
             quant.weights, quant.activations)
-        self.model = build_model(self.arch, self.dtype, self.device, cfg.limits.max_model_len, layers)
+        self.model = build_model(self.arch, self.dtype, self.device, cfg.limits.max_model_len, layers, tp)
         self.weights_from = load_with_cache(
-            self.model, cfg, lambda: load_weights(self.model, self.arch, weight_source(cfg.model)))
+            self.model, cfg, lambda: load_weights(self.model, self.arch, weight_source(cfg.model), tp),
+            shard=(tp.rank, tp.size))
         self.weight_bytes = module_bytes(self.model)
         self.seqs: dict[int, SeqState] = {}
         self._seeds = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)
         self.grammars = Grammars(cfg.grammar.tokenizer_json, self.arch.vocab_size, cfg.grammar.eos_token_id)
-        block_bytes = bytes_per_block(self.arch, self.block_size, self.kv_dtype)
-        self.num_blocks = num_kv_blocks(self._kv_budget(), block_bytes, cfg.kv_cache.max_num_blocks)
+        block_bytes = bytes_per_block(self.model.local_arch, self.block_size, self.kv_dtype)
+        self.num_blocks = agree(num_kv_blocks(self._kv_budget(), block_bytes, cfg.kv_cache.max_num_blocks))
         self.kv_cache_bytes = self.num_blocks * block_bytes
         log.info("allocating the KV cache", blocks=self.num_blocks, mib=self.kv_cache_bytes >> 20,
                  dtype=str(self.kv_dtype).removeprefix("torch."))
         self.kv_caches = self._allocate(self.num_blocks)
-        self.stack = self.backend.stack(self.model, self.kv_caches)
+        # The whole-stack runner has no collectives inside: one rank only.
+        self.stack = self.backend.stack(self.model, self.kv_caches) if tp.size == 1 else None
         self.backend.after_loading()
 
     def idle(self) -> None:
@@ -104,6 +115,12 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.execute_with_logits(plan)[0]
+
+    def resolve(self, plan: StepPlan) -> StepPlan:
+        """`plan` with its placeholders replaced by the tokens they stand for: what rank 0
+        hands the other ranks, which do not sample."""
+        seqs = [resolve_placeholders(self.seqs, s) for s in plan.seqs]
+        return plan if seqs == plan.seqs else msgspec.structs.replace(plan, seqs=seqs)
 
     @torch.inference_mode()
     def execute_with_logits(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor]:
@@ -120,7 +137,7 @@ class ModelRunner:
         logits = self._sample_logits(batch, hidden)
         prompt = score_prompts(seqs, states, hidden, self.model.compute_logits)
         sampled = row_states(seqs, states)
-        if not sampled:
+        if not sampled or self.tp.rank:  # the other ranks have joined every collective
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
         tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars)
         out, seq_ids = sample(logits, tensors, self.backend.argmax), batch.sample_seq_ids
@@ -145,14 +162,15 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)
 
     def _allocate(self, num_blocks: int) -> list[KVCache]:
-        arch, bs = self.arch, self.block_size
+        arch, bs = self.model.local_arch, self.block_size
         return allocate_kv_cache(arch, num_blocks, bs, self.kv_dtype, self.backend.zeros)
 
     def _kv_budget(self) -> int:
         kv = self.cfg.kv_cache
         # The sampler holds a few [max_num_seqs, vocab] float32 copies of the logits.
         sampler_bytes = 8 * self.cfg.limits.max_num_seqs * self.arch.vocab_size * 4
-        return self.backend.kv_budget(kv.host_bytes, kv.gpu_memory_utilization, self.weight_bytes,
+        host_bytes = kv.host_bytes // self.tp.size  # the replica's budget, split over its ranks
+        return self.backend.kv_budget(host_bytes, kv.gpu_memory_utilization, self.weight_bytes,
                                       self._largest_step, sampler_bytes)
 
     @torch.inference_mode()

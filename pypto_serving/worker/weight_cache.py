@@ -51,18 +51,19 @@ PACKING_VERSION = 1
 SOURCES = ("loader/gguf_file.py", "loader/gguf_reader.py", "loader/hf.py", "models/weights.py",
            "models/quant.py", "models/packed_state.py", "kernels/quant_linear.py", "worker/weight_cache.py")
 # What selects an entry; a newer entry of the same slot supersedes the old one.
-SLOT_FIELDS = ("model", "format", "backend", "device", "dtype", "quantization", "activations")
+SLOT_FIELDS = ("model", "format", "backend", "device", "dtype", "quantization", "activations", "shard")
 HEAD_BYTES, TAIL_BYTES = 16 << 20, 4 << 20
 STALE_TEMP_S = 3600.0
 
 
-def load_with_cache(model: nn.Module, cfg: WorkerConfig, load: Callable[[], None]) -> str:
+def load_with_cache(model: nn.Module, cfg: WorkerConfig, load: Callable[[], None],
+                    shard: tuple[int, int] = (0, 1)) -> str:
     """Fills `model` from the cache entry of `cfg`, else with `load()` and then writes the
     entry. Returns how: "cache", "checkpoint" (entry written or not) or "uncached"."""
     if not cfg.weight_cache_dir or not worth_caching(cfg):
         load()
         return "uncached"
-    key = cache_key(cfg)
+    key = cache_key(cfg, shard)
     path = entry_path(Path(cfg.weight_cache_dir), cfg.model, key)
     if _restore(model, path, key, torch.device(cfg.device.device)):
         return "cache"
@@ -77,7 +78,8 @@ def worth_caching(cfg: WorkerConfig) -> bool:
     return cfg.model.format == ModelFormat.GGUF or cfg.quant.weights != Quantization.NONE
 
 
-def cache_key(cfg: WorkerConfig) -> dict:
+def cache_key(cfg: WorkerConfig, shard: tuple[int, int] = (0, 1)) -> dict:
+    """`shard`: (tensor-parallel rank, ranks): each rank caches its own part."""
     model, device, quant = cfg.model, cfg.device, cfg.quant
     key = {
         "packing_version": PACKING_VERSION,
@@ -93,6 +95,7 @@ def cache_key(cfg: WorkerConfig) -> dict:
         "dtype": device.dtype,
         "quantization": quant.weights,
         "activations": quant.activations,
+        "shard": list(shard),
     }
     return json.loads(json.dumps(key))  # the types a stored key reads back as
 

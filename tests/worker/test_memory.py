@@ -175,7 +175,8 @@ def test_what_loading_made_is_out_of_the_collectors_sight(monkeypatch) -> None:
     monkeypatch.setattr(device_worker, "_build_runner", lambda cfg: Loaded())
     conn = Recording([(0.0, Shutdown())])
     try:
-        device_worker._run(conn, SimpleNamespace(device=SimpleNamespace(device="cpu", backend="cpu")))
+        device_worker._run(conn, SimpleNamespace(device=SimpleNamespace(device="cpu", backend="cpu"),
+                                                 parallel=SimpleNamespace(tp=1)))
     finally:
         gc.unfreeze()
     assert msgspec.msgpack.decode(conn.sent[0])["type"] == "WorkerReady"
