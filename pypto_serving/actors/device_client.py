@@ -22,6 +22,7 @@ import structlog
 from multiprocess.connection import Connection
 
 from pypto_serving.messages.worker import (
+    LogConfig,
     ParallelConfig,
     ProfileStopped,
     RankStart,
@@ -82,7 +83,7 @@ class DeviceWorkerClient:
         # The worker ignores SIGTERM; an exit that skipped stop() must not leave it behind.
         atexit.register(self.kill)
         self._sentinel = _pidfd(self.process.pid)
-        self.ranks = [start_rank(r, parallel, self.cfg) for r in range(1, parallel.tp // parallel.nnodes)]
+        self.ranks = [start_rank(r, parallel, self.cfg.log) for r in parallel.local_ranks[1:]]
         self._rank_sentinels = [fd for p in self.ranks if (fd := _pidfd(p.pid)) is not None]
         try:
             ready = await asyncio.get_running_loop().run_in_executor(None, self._handshake)
@@ -231,12 +232,13 @@ class DeviceWorkerClient:
         self._join(1)
 
 
-def start_rank(rank: int, parallel: ParallelConfig, cfg: WorkerConfig) -> subprocess.Popen:
+def start_rank(rank: int, parallel: ParallelConfig, log_config: LogConfig,
+               model_path: str = "") -> subprocess.Popen:
     """Tensor-parallel rank `rank` (not 0) of a group: it joins rank 0 at the master address
-    and takes the rest of its config from there."""
-    start = msgspec.json.encode(RankStart(rank, parallel, cfg.log)).decode()
-    return subprocess.Popen([sys.executable, "-P", "-m", "pypto_serving.worker.main", "--rank", start],
-                            env=_child_env(), stdin=subprocess.DEVNULL)
+    and takes the rest of its config from there. It dies with this process."""
+    start = RankStart(rank, parallel, log_config, model_path, parent_pid=os.getpid())
+    return subprocess.Popen([sys.executable, "-P", "-m", "pypto_serving.worker.main", "--rank",
+                             msgspec.json.encode(start).decode()], env=_child_env(), stdin=subprocess.DEVNULL)
 
 
 def free_port(host: str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -155,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device id(s) to serve on, e.g. 0 (default 0)")
     p.add_argument("--devices", type=_device_list, default=None, help="comma list of device ids")
     p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1,
-                   help="devices per replica (only 1 for now)")
+                   help="devices per replica: the model's heads, MLP and vocabulary split over them "
+                        "(torch.distributed: gloo on the CPU, nccl on CUDA)")
     p.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1,
                    help="replicas (only 1 for now)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -228,8 +230,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they "
                         "are aborted (default 30)")
     _operations_flags(p)
+    _distributed_flags(p)
     _vllm_flags(p)
     return p
+
+
+def _env(*names: str) -> str | None:
+    """The first of these environment variables that is set (argparse parses a string default
+    as it parses the flag: a bad value fails naming the flag)."""
+    return next((os.environ[n] for n in names if os.environ.get(n, "").strip()), None)
+
+
+def _distributed_flags(p: argparse.ArgumentParser) -> None:
+    """A tensor-parallel group spanning hosts, with torchrun's names (and its env:// variables:
+    one pypto-serving per node, so WORLD_SIZE and RANK count nodes)."""
+    p.add_argument("--nnodes", type=_positive_int, default=_env("NNODES", "WORLD_SIZE") or 1,
+                   help="hosts one replica's tensor-parallel group spans; node 0 serves HTTP, the "
+                        "others run only their device workers (default 1; env NNODES, WORLD_SIZE)")
+    p.add_argument("--node-rank", type=int, default=_env("NODE_RANK", "RANK") or 0,
+                   help="this host's index among --nnodes (default 0; env NODE_RANK, RANK)")
+    p.add_argument("--master-addr", default=_env("MASTER_ADDR") or "127.0.0.1",
+                   help="node 0's address, where the ranks meet (default 127.0.0.1; env MASTER_ADDR)")
+    p.add_argument("--master-port", type=int, default=_env("MASTER_PORT") or 0,
+                   help="the port they meet on (default: a free one on one node, 29500 across "
+                        "nodes; env MASTER_PORT)")
+    p.add_argument("--distributed-timeout", type=_seconds, default=120.0,
+                   help="seconds the ranks wait for each other at startup (default 120)")
 
 
 def _operations_flags(p: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from aiohttp import web
 from pypto_serving.actors.device_client import WorkerStartError
 from pypto_serving.actors.engine import Engine
 from pypto_serving.app.model_source import ModelSource, ModelSourceError, resolve_model
+from pypto_serving.app.node import run_node
 from pypto_serving.app.settings import FlagError, ServerSettings, build_settings, check_flags
 from pypto_serving.app.shutdown import ShutdownSignals, graceful_shutdown
 from pypto_serving.core.request import ChatInput, Finished, GenerateRequest, TextDelta
@@ -35,6 +36,8 @@ log = structlog.get_logger()
 def launch(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     check_flags(args)  # fail on bad flags before touching the model
+    if args.node_rank > 0:
+        return _node(args)
     try:  # a port in use is found now, not after minutes of loading
         listening = None if args.prompt else listen(args.host, args.port)
     except OSError as exc:
@@ -58,6 +61,20 @@ def launch(args: argparse.Namespace) -> int:
         return _fail(args, f"the device worker could not start: {exc}", 1)
     except KeyboardInterrupt:  # Ctrl-C in offline mode (serve mode handles its signals)
         return 130
+
+
+def _node(args: argparse.Namespace) -> int:
+    """A node other than node 0: only the device workers of its ranks (app/node.py)."""
+    try:
+        source = resolve_model(args.model)
+        settings = build_settings(args, source)
+    except (ModelSourceError, UnsupportedModel, ValueError) as exc:
+        if isinstance(exc, FlagError):
+            raise
+        return _fail(args, str(exc), 2)
+    worker = settings.engine.worker
+    code, error = run_node(worker.parallel, worker.log, str(source.path))
+    return _fail(args, error, code) if error else code
 
 
 def listen(host: str, port: int) -> list[socket.socket]:
@@ -152,7 +169,10 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
              f"dtype {cfg.worker.device.dtype})")
     log.info(f"Platform: {settings.platform}, backend {settings.backend}, "
              f"device groups {[list(g) for g in settings.device_groups]}")
-    log.info("Parallelism: replicas 1, dp 1, tp 1")
+    parallel = cfg.worker.parallel
+    nodes = f", {parallel.nnodes} nodes (master {parallel.master_addr}:{parallel.master_port})" \
+        if parallel.nnodes > 1 else ""
+    log.info(f"Parallelism: replicas 1, dp 1, tp {parallel.tp}{nodes}")
     log.info(f"Max running requests: {sched.max_num_seqs}; max model len: {sched.max_model_len}")
     log.info(f"Max scheduled tokens per step: {sched.max_num_batched_tokens}")
     log.info(f"Prefill chunk size: {sched.long_prefill_token_threshold}")

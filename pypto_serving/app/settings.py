@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,7 @@ class ServerSettings:
 def replica_config(engine: EngineConfig, group: tuple[int, ...], backend: str) -> EngineConfig:
     worker = engine.worker
     device = msgspec.structs.replace(worker.device, device=device_string(backend, group[0]))
-    parallel = msgspec.structs.replace(worker.parallel, devices=list(group))
+    parallel = msgspec.structs.replace(worker.parallel, devices=list(group))  # tp stays
     return dataclasses.replace(engine, worker=msgspec.structs.replace(worker, device=device,
                                                                        parallel=parallel))
 
@@ -109,16 +110,47 @@ def pick_backend(requested: str | None) -> str:
 
 
 def _device_groups(args: argparse.Namespace) -> tuple[tuple[int, ...], ...]:
-    """--devices split into --dp groups of --tp ids. Without --device(s), ids 0..dp*tp-1."""
+    """This node's --devices split into --dp groups of its share of --tp's ranks. Without
+    --device(s), ids 0, 1, ..."""
     if args.device is not None and args.devices is not None:
         raise FlagError("--device and --devices: give only one of them")
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
-    ids = tuple(args.devices or args.device or range(dp * tp))
-    if tp * dp != len(ids):
-        raise FlagError(f"--devices: {len(ids)} device(s) given but --dp x --tp is {dp * tp}")
+    per_node = tp // args.nnodes
+    ids = tuple(args.devices or args.device or range(dp * per_node))
+    if dp * per_node != len(ids):
+        share = "" if args.nnodes == 1 else f" of this node's {per_node} rank(s) each"
+        raise FlagError(f"--devices: {len(ids)} device(s) given but --dp x --tp is {dp * tp}{share}")
     if dp > 1:
         raise FlagError("--data-parallel-size above 1 is not supported yet: serve one replica")
-    return tuple(ids[i * tp:(i + 1) * tp] for i in range(dp))
+    return tuple(ids[i * per_node:(i + 1) * per_node] for i in range(dp))
+
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's, where the nodes must agree on one
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    nnodes, rank, tp = args.nnodes, args.node_rank, args.tensor_parallel_size
+    if not 0 <= rank < nnodes:
+        raise FlagError(f"--node-rank {rank} is not one of the {nnodes} node(s) (0..{nnodes - 1})")
+    if not 0 <= args.master_port < 65536:
+        raise FlagError(f"--master-port must be in 0..65535, got {args.master_port}")
+    if nnodes == 1:
+        return
+    if tp % nnodes:
+        raise FlagError(f"--nnodes {nnodes}: --tensor-parallel-size {tp} does not split evenly "
+                        "over the nodes")
+    if args.data_parallel_size > 1:
+        raise FlagError("--nnodes above 1 serves one replica spanning the nodes: --data-parallel-size 1")
+    try:
+        socket.getaddrinfo(args.master_addr, None)
+    except OSError:
+        raise FlagError(f"--master-addr {args.master_addr}: no such host") from None
+
+
+def _parallel(args: argparse.Namespace, devices: tuple[int, ...]) -> ParallelConfig:
+    port = args.master_port or (DEFAULT_MASTER_PORT if args.nnodes > 1 else 0)
+    return ParallelConfig(args.tensor_parallel_size, list(devices), args.master_addr, port,
+                          args.nnodes, args.node_rank, args.distributed_timeout or 120.0)
 
 
 # --max-num-batched-tokens when not given. On a CPU a 512-row GEMM already runs at its peak,
@@ -230,6 +262,7 @@ def check_flags(args: argparse.Namespace) -> tuple[str, tuple[tuple[int, ...], .
     except GenerateConfigError as exc:
         raise FlagError(f"--generate-config: {exc}") from None
     backend = pick_backend(args.backend)
+    _check_nodes(args)
     _scheduler(args, backend)
     _profile(args)
     weight_cache_dir(args)
@@ -313,7 +346,7 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
         log=LogConfig(LogFormat(args.log_format), args.log_level),
         seed=args.seed,
         weight_cache_dir=weight_cache_dir(args),
-        parallel=ParallelConfig(list(devices)),
+        parallel=_parallel(args, devices),
     )
 
 

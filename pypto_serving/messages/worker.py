@@ -97,17 +97,33 @@ class GrammarConfig(msgspec.Struct, frozen=True):
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):
-    """One replica's device group: `devices[r]` is tensor-parallel rank r's device id."""
+    """One replica's tensor-parallel group of `tp` ranks over `nnodes` hosts, split evenly
+    and in order (node 0 holds rank 0). `devices`: this node's device ids, one per rank on it."""
 
+    tp: int = 1
     devices: list[int] = msgspec.field(default_factory=lambda: [0])
     master_addr: str = "127.0.0.1"  # where rank 0's torch.distributed store listens
-    master_port: int = 0  # 0: a free port, picked when the group starts
-    nnodes: int = 1  # hosts the group spans; ranks are split evenly, node 0 has rank 0
+    master_port: int = 0  # 0: a free port, picked when the group starts (one node only)
+    nnodes: int = 1
+    node_rank: int = 0
     timeout_s: float = 120.0  # how long the ranks wait for each other at startup
 
     @property
-    def tp(self) -> int:
-        return len(self.devices)
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks on this node."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+    def device_of(self, rank: int) -> int:
+        """The device id of one of this node's ranks."""
+        return self.devices[rank - self.local_ranks.start]
 
 
 ON_THE_HOST = ("portable", "cpu")  # backends that run in the worker process's own memory
@@ -181,8 +197,10 @@ class RankStart(msgspec.Struct, frozen=True):
     rest of its config comes from rank 0 once the group has formed."""
 
     rank: int
-    parallel: ParallelConfig
+    parallel: ParallelConfig  # this node's view: its own device ids
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    model_path: str = ""  # where this node has the model ("": where rank 0 has it)
+    parent_pid: int = 0  # the process that started it: it ends with that one
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True):

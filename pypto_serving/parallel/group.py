@@ -33,11 +33,6 @@ class GroupError(RuntimeError):
     """The ranks could not form their group: the message says which did not join."""
 
 
-def node_of(rank: int, parallel: ParallelConfig) -> int:
-    """Ranks are split evenly over the nodes, in order: node 0 holds rank 0."""
-    return rank // (parallel.tp // parallel.nnodes)
-
-
 def join(parallel: ParallelConfig, rank: int) -> dist.TCPStore:
     """Joins rank `rank` to its group's store and default group; returns the store."""
     if _is_loopback(parallel.master_addr):
@@ -63,7 +58,7 @@ def _wait_for_ranks(store: dist.TCPStore, parallel: ParallelConfig) -> None:
     while not store.check(keys):
         if time.monotonic() > deadline:
             missing = [r for r in range(parallel.tp) if not store.check([f"joined/{r}"])]
-            nodes = sorted({node_of(r, parallel) for r in missing})
+            nodes = sorted({parallel.node_of(r) for r in missing})
             raise GroupError(f"tensor-parallel rank(s) {missing} (node(s) {nodes}) did not join "
                              f"within {parallel.timeout_s:g} s: start every node with the same "
                              f"--master-addr/--master-port and its own --node-rank")

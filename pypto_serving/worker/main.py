@@ -21,6 +21,7 @@ group); the API process drains requests, then sends `Shutdown`; a closed pipe al
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import queue
@@ -44,6 +45,7 @@ from pypto_serving.messages.worker import (
     WorkerConfig,
     WorkerFailed,
     WorkerReady,
+    device_string,
 )
 from pypto_serving.telemetry.logs import capture_stray_output, configure_logging
 from pypto_serving.telemetry.profiling import WorkerProfiler
@@ -54,7 +56,9 @@ log = structlog.get_logger()
 def main() -> None:
     if sys.argv[1] == "--rank":
         _ignore_signals()
-        follow(msgspec.json.decode(sys.argv[2], type=RankStart))
+        start = msgspec.json.decode(sys.argv[2], type=RankStart)
+        _die_with(start.parent_pid)
+        follow(start)
         return
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)  # a process the worker starts must not keep the pipe open
@@ -79,6 +83,21 @@ def worker_main(conn: object, config: bytes) -> None:
     finally:
         if restore is not None:
             restore()
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+JOIN_FAILED = 3  # a rank's exit code when it could not reach its group's master (app/node.py)
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL for this process when `parent` ends (Linux), and at once if it has already:
+    a rank whose node process was killed must not keep the group's collectives waiting."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if parent and os.getppid() != parent:
+        os._exit(1)
 
 
 def _ignore_signals() -> None:
@@ -110,9 +129,9 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
            cfg.parallel.tp)
 
 
-def _build_runner(cfg: WorkerConfig, rank: int = 0) -> object:
+def _build_runner(cfg: WorkerConfig, rank: int = 0, device: str = "") -> object:
     """Rank 0 forms its group (if it has one) and hands the other ranks its config; another
-    rank's group has formed already."""
+    rank's group has formed already (`device`: its own)."""
     from pypto_serving.worker.model_runner import ModelRunner  # torch only in this process
 
     if cfg.parallel.tp == 1:
@@ -123,7 +142,14 @@ def _build_runner(cfg: WorkerConfig, rank: int = 0) -> object:
         group.join(cfg.parallel, 0)
         channel.send(msgspec.msgpack.encode(cfg))
     ranks = group.RankGroup(cfg.parallel, rank, cfg.device.backend)
-    return ModelRunner(cfg, ranks.tensor_parallel(), ranks.min)
+    return ModelRunner(cfg, ranks.tensor_parallel(), ranks.min, device)
+
+
+def _on_this_node(cfg: WorkerConfig, start: RankStart) -> WorkerConfig:
+    """Rank 0's config, with the model where this node has it."""
+    if not start.model_path:
+        return cfg
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=start.model_path))
 
 
 def follow(start: RankStart) -> None:
@@ -134,8 +160,13 @@ def follow(start: RankStart) -> None:
 
     try:
         group.join(start.parallel, start.rank)
-        cfg = msgspec.msgpack.decode(channel.receive(), type=WorkerConfig)
-        runner = _build_runner(cfg, start.rank)
+    except group.GroupError as exc:
+        log.error("tensor-parallel rank could not join its group", rank=start.rank, error=str(exc))
+        sys.exit(JOIN_FAILED)
+    try:
+        cfg = _on_this_node(msgspec.msgpack.decode(channel.receive(), type=WorkerConfig), start)
+        runner = _build_runner(cfg, start.rank, device_string(cfg.device.backend,
+                                                              start.parallel.device_of(start.rank)))
     except Exception as exc:  # rank 0 sees the group fail, and says so
         log.error("tensor-parallel rank could not start", rank=start.rank,
                   error=f"{type(exc).__name__}: {exc}")

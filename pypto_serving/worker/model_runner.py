@@ -28,7 +28,6 @@ from pypto_serving.messages.worker import (
     StepResult,
     TopLogprob,
     WorkerConfig,
-    device_string,
 )
 from pypto_serving.models import build_model, load_weights
 from pypto_serving.parallel.sharding import SINGLE, TensorParallel
@@ -76,14 +75,13 @@ def weight_source(model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
 
 class ModelRunner:
     def __init__(self, cfg: WorkerConfig, tp: TensorParallel = SINGLE,
-                 agree: Callable[[int], int] = lambda blocks: blocks) -> None:
-        """`tp`: this rank's place in its group; `agree(n)`: the smallest of every rank's n."""
+                 agree: Callable[[int], int] = lambda blocks: blocks, device: str = "") -> None:
+        """`tp`: this rank's place in its group; `agree(n)`: the smallest of every rank's n;
+        `device`: this rank's torch device ("": `cfg.device.device`, rank 0's)."""
         self.cfg, self.tp = cfg, tp
         self.arch, self.block_size = cfg.model.arch, cfg.kv_cache.block_size
         self.dtype = torch_dtype(cfg.device.dtype)
-        device = cfg.device.device if tp.size == 1 else device_string(
-            cfg.device.backend, cfg.parallel.devices[tp.rank])
-        self.backend = make_backend(cfg.device.backend, device, self.dtype)
+        self.backend = make_backend(cfg.device.backend, device or cfg.device.device, self.dtype)
         self.device = self.backend.device
         self.backend.before_loading()
         self.kv_dtype = torch_dtype(cfg.device.kv_cache_dtype, auto=self.dtype)

@@ -58,7 +58,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def group_config(path: Path, tp: int, **overrides: object) -> WorkerConfig:
     cfg = worker_config(path, **overrides)
-    return msgspec.structs.replace(cfg, parallel=ParallelConfig(list(range(tp)), timeout_s=60))
+    return msgspec.structs.replace(cfg, parallel=ParallelConfig(tp, list(range(tp)), timeout_s=60))
 
 
 class Results:
