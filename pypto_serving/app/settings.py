@@ -123,8 +123,6 @@ def _device_groups(args: argparse.Namespace) -> tuple[tuple[int, ...], ...]:
     if tp > 1:
         raise FlagError("--tensor-parallel-size above 1 is not supported yet: serve on one "
                         "device per replica")
-    if dp > 1:
-        raise FlagError("--data-parallel-size above 1 is not supported yet: serve one replica")
     return tuple(ids[i * tp:(i + 1) * tp] for i in range(dp))
 
 
