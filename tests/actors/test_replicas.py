@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pypto_serving.actors.engine import Engine
 from pypto_serving.actors.replicas import ReplicaLoad, ReplicaSet, pick_replica, prefix_key
-from pypto_serving.core.request import ChatInput, Finished, GenerateRequest, Started
+from pypto_serving.core.request import ChatInput, Finished, GenerateRequest, Started, estimated_tokens
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.http.server import Handlers, build_app
 from pypto_serving.messages.worker import StepPlan
@@ -194,3 +194,14 @@ async def test_one_replica_is_that_engine():
     finally:
         await client.close()
         await replicas.shutdown()
+
+
+def test_a_request_not_yet_tokenized_is_guessed_from_its_prompt_and_max_tokens():
+    def guess(prompt: object, max_tokens: int | None = 10) -> int:
+        return estimated_tokens(GenerateRequest("r", prompt, max_tokens), 100, 1024)
+
+    assert guess("x" * 40) == 10 + 10
+    assert guess(tuple(range(7))) == 7 + 10
+    assert guess(ChatInput(({"role": "user", "content": "y" * 80},))) == 20 + 10
+    assert guess("x" * 40, None) == 10 + 100  # the server's default max_tokens
+    assert guess("x" * 8000) == 1024  # at most the context
