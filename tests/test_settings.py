@@ -80,3 +80,18 @@ def test_the_startup_log_says_what_the_worker_runs(kernels) -> None:
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert len(warnings) == (kernels == "portable")
     assert all("float32 activations" in e["event"] for e in warnings)
+
+
+def test_dp_splits_the_devices_into_one_group_per_replica(smollm2) -> None:
+    args = build_parser().parse_args(["--model", "smollm2", "--dp", "2", "--devices", "3,5"])
+    settings = build_settings(args, smollm2)
+    assert settings.device_groups == ((3,), (5,))
+    replicas = [settings.replica(i).worker for i in range(2)]
+    assert [w.parallel.devices for w in replicas] == [[3], [5]]
+    assert [w.device.device for w in replicas] == ["cpu", "cpu"]  # ids are labels on the host
+    assert replicas[0].kv_cache == replicas[1].kv_cache == settings.engine.worker.kv_cache
+    default = build_settings(build_parser().parse_args(["--model", "smollm2", "--dp", "3"]), smollm2)
+    assert default.device_groups == ((0,), (1,), (2,))
+    with pytest.raises(FlagError, match="--dp x --tp is 2"):
+        build_settings(build_parser().parse_args(["--model", "smollm2", "--dp", "2", "--device", "0"]),
+                       smollm2)

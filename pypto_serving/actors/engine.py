@@ -34,7 +34,14 @@ from pypto_serving.actors.request import RequestLimits, RequestStream
 from pypto_serving.actors.scheduler import SchedulerActor
 from pypto_serving.actors.tokenizer import TokenizerActor
 from pypto_serving.core.block_allocator import BlockAllocator
-from pypto_serving.core.request import Finished, GenerateRequest, Refused, Started, TextDelta
+from pypto_serving.core.request import (
+    Finished,
+    GenerateRequest,
+    Refused,
+    Started,
+    TextDelta,
+    estimated_tokens,
+)
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.messages.request import EngineDied, TimedOut
 from pypto_serving.messages.scheduler import AbortAll
@@ -156,7 +163,8 @@ class Engine:
         only ends the requests in flight again: the one it interrupted must hear of it."""
         if self._dead_reason is None:
             self._dead_reason = reason
-            log.error("engine stopped", reason=reason, request_ids=self._request_ids())
+            log.error("engine stopped", reason=reason, engine=self.metrics.engine,
+                      request_ids=self._request_ids())
             try:
                 self.scheduler.die(reason)  # ends its sequences and frees their blocks
             except Exception:  # a broken scheduler: the requests still hear of it below
@@ -173,7 +181,8 @@ class Engine:
         delay = RESTART_BACKOFF_S * 2 ** (len(self._deaths) - 1)
         while not self._stopping:
             delay = min(delay, RESTART_BACKOFF_MAX_S)
-            log.info("restarting the device worker", after=reason, in_seconds=delay)
+            log.info("restarting the device worker", after=reason, in_seconds=delay,
+                     engine=self.metrics.engine)
             await asyncio.sleep(delay)
             await self._stop_parts()
             try:
@@ -185,7 +194,8 @@ class Engine:
                 continue
             self.metrics.worker_restarts += 1
             self._dead_reason = None
-            log.info("engine restarted", after=reason, restarts=self.metrics.worker_restarts,
+            log.info("engine restarted", after=reason, engine=self.metrics.engine,
+                     restarts=self.metrics.worker_restarts,
                      worker_pids=[w.process.pid for w in self.workers])
             return
 
@@ -260,6 +270,17 @@ class Engine:
             self._in_flight.pop(seq_id, None)
             if not self._in_flight:
                 self._idle.set()
+
+    @property
+    def pending_tokens(self) -> int:
+        """The load a data-parallel router weighs (actors/replicas.py): the scheduler's
+        `pending_tokens`, plus a guess for each request it does not hold yet (being tokenized)."""
+        policy = None if self.scheduler is None else self.scheduler.scheduler
+        limits = self.config.limits
+        unseen = sum(estimated_tokens(s.request, limits.default_max_tokens, limits.max_model_len)
+                     for s in self._in_flight.values()
+                     if not s.done and (policy is None or not policy.holds(s.seq_id)))
+        return unseen + (0 if policy is None else policy.pending_tokens)
 
     # -- shutdown ------------------------------------------------------------------
     @property

@@ -80,6 +80,11 @@ class RequestStream:
         self._generated = 0  # tokens received so far
         self._error_type = "engine_error"  # of a finish with `error`: timeout when it timed out
 
+    @property
+    def done(self) -> bool:
+        """It has its last event (or the engine's last word)."""
+        return self._done
+
     def tell(self, msg: RequestInbox) -> None:
         self._mailbox.put_nowait(msg)
 

@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices per replica: the model's heads, MLP and vocabulary split over them "
                         "(torch.distributed: gloo on the CPU, nccl on CUDA)")
     p.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1,
-                   help="replicas (only 1 for now)")
+                   help="replicas, each with its own scheduler, KV cache and --tp devices; a "
+                        "request goes to the one with the fewest pending tokens (default 1)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="compute dtype; auto: float32 on the CPU, bfloat16 on accelerators")
     p.add_argument("--kv-cache-dtype", choices=DTYPES, default="auto",
@@ -183,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt plus generated tokens per request (default 1024)")
     p.add_argument("--block-size", type=_positive_int, default=None,
                    help="KV page size in tokens (default 16, 128 on npu)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="running requests (default 16)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16,
+                   help="running requests (per --dp replica; default 16)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="tokens per engine step (default 512 on the CPU, 4096 on accelerators)")
     p.add_argument("--long-prefill-token-threshold", type=_positive_int, default=2048,
@@ -200,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over steps (default on)")
     p.add_argument("--kv-cache-memory", type=_size, default=None,
-                   help="KV cache budget on the CPU, e.g. 1GiB (default 1GiB)")
+                   help="KV cache budget on the CPU, e.g. 1GiB, for each --dp replica (default 1GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of accelerator memory for weights and KV cache")
     p.add_argument("--generate-config", default=None,

@@ -1,4 +1,5 @@
-"""Starts the engine, then either serves HTTP or runs the offline `--prompt` batch."""
+"""Starts the engine (one per --dp replica), then either serves HTTP or runs the offline
+`--prompt` batch."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from pypto_serving.actors.device_client import WorkerStartError
 from pypto_serving.actors.engine import Engine
+from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.app.model_source import ModelSource, ModelSourceError, resolve_model
 from pypto_serving.app.node import run_node
 from pypto_serving.app.settings import FlagError, ServerSettings, build_settings, check_flags
@@ -134,19 +136,23 @@ def _fail(args: argparse.Namespace, message: str, code: int) -> int:
     return code
 
 
-def _new_engine(settings: ServerSettings, tokenizer: Tokenizer) -> Engine:
-    metrics = EngineMetrics(settings.served_name, settings.engine.limits.max_model_len)
-    return Engine(settings.engine, tokenizer, metrics, SpanRecorder("api-server"))
+def _new_replicas(settings: ServerSettings, tokenizer: Tokenizer) -> ReplicaSet:
+    """One engine per device group (--dp), sharing the tokenizer and the span recorder."""
+    recorder = SpanRecorder("api-server")
+    max_model_len = settings.engine.limits.max_model_len
+    return ReplicaSet([Engine(settings.replica(i), tokenizer,
+                              EngineMetrics(settings.served_name, max_model_len, engine=str(i)), recorder)
+                       for i in range(len(settings.device_groups))])
 
 
-async def _start_engine(engine: Engine) -> None:
+async def _start_engine(engine: Engine, replica: int = 0) -> None:
     t0 = time.monotonic()
     ready = await engine.start()
     worker = engine.config.worker
     log.info("model loaded", seconds=round(time.monotonic() - t0, 2),
              weights_mib=ready.weight_bytes >> 20, kv_cache_mib=ready.kv_cache_bytes >> 20,
              quantization=worker.quant.weights, kernels=ready.kernels,
-             activation_quantization=ready.activation_quantization,
+             activation_quantization=ready.activation_quantization, replica=replica,
              worker_pids=[w.process.pid for w in engine.workers])
     if worker.quant.activations != ready.activation_quantization:
         log.warning("the CPU's C kernels cannot run here (they need AVX2, FMA and F16C and a C "
@@ -154,13 +160,13 @@ async def _start_engine(engine: Engine) -> None:
                     requested_activation_quantization=worker.quant.activations)
 
 
-def _profiler(settings: ServerSettings, engine: Engine) -> Profiler | None:
+def _profiler(settings: ServerSettings, replicas: ReplicaSet) -> Profiler | None:
     if settings.profile is None:
         return None
-    return Profiler(settings.profile, engine.recorder, lambda: engine.workers)
+    return Profiler(settings.profile, replicas.recorder, lambda: replicas.workers)
 
 
-def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[str]) -> None:
+def _startup_summary(settings: ServerSettings, replicas: ReplicaSet, endpoints: list[str]) -> None:
     cfg, sched = settings.engine, settings.engine.scheduler
     log.info(f"Serving on http://{settings.host}:{settings.port}", host=settings.host,
              port=settings.port)
@@ -170,10 +176,13 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
     log.info(f"Platform: {settings.platform}, backend {settings.backend}, "
              f"device groups {[list(g) for g in settings.device_groups]}")
     parallel = cfg.worker.parallel
+    dp, tp = len(settings.device_groups), parallel.tp
     nodes = f", {parallel.nnodes} nodes (master {parallel.master_addr}:{parallel.master_port})" \
         if parallel.nnodes > 1 else ""
-    log.info(f"Parallelism: replicas 1, dp 1, tp {parallel.tp}{nodes}")
-    log.info(f"Max running requests: {sched.max_num_seqs}; max model len: {sched.max_model_len}")
+    log.info(f"Parallelism: replicas {dp}, dp {dp}, tp {tp}{nodes}" +
+             (" (scheduler limits, queue and KV cache per replica)" if dp > 1 else ""))
+    log.info(f"Max running requests: {sched.max_num_seqs}{' per replica' if dp > 1 else ''}; "
+             f"max model len: {sched.max_model_len}")
     log.info(f"Max scheduled tokens per step: {sched.max_num_batched_tokens}")
     log.info(f"Prefill chunk size: {sched.long_prefill_token_threshold}")
     log.info(f"Prefix cache: {'enabled' if cfg.cache.enable_prefix_caching else 'disabled'}")
@@ -191,7 +200,10 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
     if settings.profile is not None:
         log.info(f"Profiling: levels {','.join(settings.profile.levels)}, "
                  f"output {settings.profile.output}")
-    log.info(f"KV cache: {engine.ready.num_blocks} blocks of {cfg.cache.block_size} tokens")
+    blocks = [e.ready.num_blocks for e in replicas.engines]
+    where = "".join(f", {n} on replica {i}" for i, n in enumerate(blocks) if i)
+    where = f" on replica 0{where}" if dp > 1 else ""
+    log.info(f"KV cache: {blocks[0]} blocks of {cfg.cache.block_size} tokens{where}")
     log.info(f"Shutdown timeout: {settings.shutdown_timeout:g} s")
     admission, limits, edge = cfg.admission, settings.http, settings.edge
     log.info(f"Bounds: queue {admission.max_queue_len or 'unbounded'}, request timeout "
@@ -204,15 +216,15 @@ def _startup_summary(settings: ServerSettings, engine: Engine, endpoints: list[s
 
 async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.Namespace,
                 listening: list[socket.socket]) -> int:
-    engine = _new_engine(settings, tokenizer)
-    signals = ShutdownSignals(on_force=engine.kill)
-    await _start_engine(engine)
+    replicas = _new_replicas(settings, tokenizer)
+    signals = ShutdownSignals(on_force=replicas.kill)
+    await replicas.start(lambda i, engine: _start_engine(engine, i))
     if signals.requested:  # asked to stop while the model was loading
-        await engine.shutdown()
+        await replicas.shutdown()
         return 0
-    handlers = Handlers(engine, settings.served_name, settings.defaults, settings.parsers,
+    handlers = Handlers(replicas, settings.served_name, settings.defaults, settings.parsers,
                         settings.responses_store_size)
-    ops = Ops(engine, _profiler(settings, engine))
+    ops = Ops(replicas, _profiler(settings, replicas))
     app = build_app(handlers, settings.http)
     ops.install(app)
     install_edge(app, settings.edge, ops.http_metrics)
@@ -222,18 +234,18 @@ async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.N
     for sock in listening:
         await web.SockSite(runner, sock).start()
     endpoints = [f"{r.method} {r.path}" for r in handlers.routes()] + ops.endpoints()
-    _startup_summary(settings, engine, endpoints)
+    _startup_summary(settings, replicas, endpoints)
     log.info("Application startup complete")
     await signals.wait()
-    await graceful_shutdown(engine, ops, runner, settings.shutdown_timeout)
+    await graceful_shutdown(replicas, ops, runner, settings.shutdown_timeout)
     return 0
 
 
 async def offline(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.Namespace) -> int:
     """Generates for every --prompt at once (continuously batched) and prints the results."""
-    engine = _new_engine(settings, tokenizer)
-    await _start_engine(engine)
-    profiler = _profiler(settings, engine)
+    replicas = _new_replicas(settings, tokenizer)
+    await replicas.start(lambda i, engine: _start_engine(engine, i))
+    profiler = _profiler(settings, replicas)
     defaults = settings.defaults
     temperature = defaults.temperature if args.temperature is None else args.temperature
     sampling = SamplingParams(temperature=temperature, top_p=defaults.top_p,
@@ -245,11 +257,11 @@ async def offline(settings: ServerSettings, tokenizer: Tokenizer, args: argparse
     if profiler is not None:  # offline, the profile covers the whole batch
         profiler.start()
     t0 = time.monotonic()
-    results = await asyncio.gather(*(_run_one(engine, r) for r in requests))
+    results = await asyncio.gather(*(_run_one(replicas, r) for r in requests))
     elapsed = time.monotonic() - t0
     if profiler is not None:
         await profiler.stop()
-    await engine.shutdown()
+    await replicas.shutdown()
     total = 0
     for i, (prompt, (text, ids, done)) in enumerate(zip(args.prompt, results, strict=True)):
         total += len(ids)
@@ -264,9 +276,9 @@ def _offline_prompt(text: str, chat: bool) -> str | ChatInput:
     return ChatInput(({"role": "user", "content": text},), None, {}, True) if chat else text
 
 
-async def _run_one(engine: Engine, request: GenerateRequest) -> tuple[str, list[int], Finished]:
+async def _run_one(replicas: ReplicaSet, request: GenerateRequest) -> tuple[str, list[int], Finished]:
     text, ids = [], []
-    async for event in engine.generate(request):
+    async for event in replicas.generate(request):
         match event:
             case TextDelta(delta, token_ids):
                 text.append(delta)

@@ -73,13 +73,15 @@ class ServerSettings:
 
     def replica(self, index: int) -> EngineConfig:
         """Replica `index`'s engine config: `engine` on that replica's device group."""
-        return replica_config(self.engine, self.device_groups[index], self.backend)
+        return replica_config(self.engine, self.device_groups[index], self.backend, index)
 
 
-def replica_config(engine: EngineConfig, group: tuple[int, ...], backend: str) -> EngineConfig:
+def replica_config(engine: EngineConfig, group: tuple[int, ...], backend: str, index: int = 0) -> EngineConfig:
+    """A given --master-port is replica 0's; each later replica's group meets one port up."""
     worker = engine.worker
     device = msgspec.structs.replace(worker.device, device=device_string(backend, group[0]))
-    parallel = msgspec.structs.replace(worker.parallel, devices=list(group))  # tp stays
+    port = worker.parallel.master_port and worker.parallel.master_port + index
+    parallel = msgspec.structs.replace(worker.parallel, devices=list(group), master_port=port)  # tp stays
     return dataclasses.replace(engine, worker=msgspec.structs.replace(worker, device=device,
                                                                        parallel=parallel))
 
@@ -120,8 +122,6 @@ def _device_groups(args: argparse.Namespace) -> tuple[tuple[int, ...], ...]:
     if dp * per_node != len(ids):
         share = "" if args.nnodes == 1 else f" of this node's {per_node} rank(s) each"
         raise FlagError(f"--devices: {len(ids)} device(s) given but --dp x --tp is {dp * tp}{share}")
-    if dp > 1:
-        raise FlagError("--data-parallel-size above 1 is not supported yet: serve one replica")
     return tuple(ids[i * per_node:(i + 1) * per_node] for i in range(dp))
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import structlog
 from aiohttp import web
 
-from pypto_serving.actors.engine import Engine
+from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.http.ops import Ops
 
 log = structlog.get_logger()
@@ -50,7 +50,7 @@ class ShutdownSignals:
         os._exit(128 + sig)
 
 
-async def graceful_shutdown(engine: Engine, ops: Ops, runner: web.AppRunner, timeout: float) -> None:
+async def graceful_shutdown(engine: ReplicaSet, ops: Ops, runner: web.AppRunner, timeout: float) -> None:
     ops.draining = True
     log.info("shutting down: draining in-flight requests", in_flight=engine.num_in_flight,
              timeout_s=timeout)

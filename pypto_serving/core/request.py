@@ -68,6 +68,23 @@ class GenerateRequest:
     echo: bool = False  # the prompt's text comes back first (`Echo`)
 
 
+CHARS_PER_TOKEN = 4  # about what BPE tokenizers average on English text
+
+
+def estimated_tokens(request: GenerateRequest, default_max_tokens: int, max_model_len: int) -> int:
+    """A guess at a request's work before its prompt is tokenized: the prompt's tokens (its
+    characters / 4 for text) plus the outputs it may produce, at most the context."""
+    prompt = request.prompt
+    if isinstance(prompt, tuple):
+        prompt_tokens = len(prompt)
+    elif isinstance(prompt, str):
+        prompt_tokens = len(prompt) // CHARS_PER_TOKEN
+    else:
+        prompt_tokens = sum(len(str(m.get("content") or "")) for m in prompt.messages) // CHARS_PER_TOKEN
+    wanted = default_max_tokens if request.max_tokens is None else request.max_tokens
+    return min(prompt_tokens + wanted, max_model_len)
+
+
 @dataclass(frozen=True, slots=True)
 class Started:
     prompt_tokens: int

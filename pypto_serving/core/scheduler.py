@@ -135,6 +135,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def holds(self, seq_id: int) -> bool:
+        return seq_id in self._by_id
+
+    @property
+    def pending_tokens(self) -> int:
+        """The work queued here, in tokens: every sequence's `work_left` (a data-parallel
+        router's load measure; one pass over the sequences)."""
+        return sum(seq.work_left for seq in self._by_id.values())
+
     # -- a step --------------------------------------------------------------------
     def step(self, result: StepResult | None = None) -> tuple[StepPlan | None, list[TokenEvent]]:
         """The last step's result (None when no step was in flight) -> the next plan (None

@@ -65,6 +65,12 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.output_ids)
 
+    @property
+    def work_left(self) -> int:
+        """Tokens the model still runs for it at most: those not computed (all of them again
+        after a preemption) plus the outputs it may still produce."""
+        return self.num_tokens - self.num_computed + self.max_tokens - self.num_output_tokens
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens start .. end - 1; PLACEHOLDER where a step in flight will sample one."""
         prompt_len = len(self.prompt_ids)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
-from pypto_serving.actors.engine import Engine
+from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.core.request import Echo, Finished, GenerateRequest, Started, TextDelta
 
 Event = Started | Echo | TextDelta | Finished
@@ -39,7 +39,7 @@ class ChoiceStreams:
     """The event streams of one request's choices. `close()` must follow, whatever happens:
     it aborts every choice that has not finished, which frees its KV blocks."""
 
-    def __init__(self, engine: Engine, requests: Sequence[GenerateRequest], echo_only: bool = False):
+    def __init__(self, engine: ReplicaSet, requests: Sequence[GenerateRequest], echo_only: bool = False):
         self._streams = [engine.generate(r) for r in requests]
         self._echo_only = echo_only
         self._queue: asyncio.Queue[tuple[int, Event | BaseException]] = asyncio.Queue()

@@ -154,8 +154,8 @@ def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
             "/v1/models": {"get": {"summary": "The served model",
                                    "responses": {"200": _json(models, "one model")}}},
             "/health": {"get": {"summary": "Liveness", "responses": {
-                "200": _json(health, "the engine runs"),
-                "503": _json(health, "the engine has stopped")}}},
+                "200": _json(health, "the engine runs (with --dp: a replica serves)"),
+                "503": _json(health, "the engine has stopped (with --dp: every replica)")}}},
             "/tokenize": _post("Token ids of a prompt or of chat messages", tokenize, tokenized, error),
             "/detokenize": _post("The text of token ids", detokenize, detokenized, error),
             "/version": {"get": {"summary": "The server's version",

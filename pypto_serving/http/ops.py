@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pypto_serving.actors.engine import Engine
+from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.http.render import error_body
 from pypto_serving.telemetry.http_metrics import HttpMetrics
 from pypto_serving.telemetry.metrics import render_families
@@ -29,7 +29,8 @@ def _json(body: object, status: int = 200) -> web.Response:
 
 
 class Ops:
-    def __init__(self, engine: Engine, profiler: Profiler | None, http_metrics: HttpMetrics | None = None):
+    def __init__(self, engine: ReplicaSet, profiler: Profiler | None,
+                 http_metrics: HttpMetrics | None = None):
         self.engine = engine
         self.profiler = profiler
         self.http_metrics = http_metrics or HttpMetrics()  # the edge's (http/edge.py)

@@ -231,6 +231,13 @@ class Version(msgspec.Struct):
     version: str
 
 
+class ReplicaHealth(msgspec.Struct, omit_defaults=True):
+    engine: str  # the replica's `engine` metrics label
+    status: Literal["ok", "error"]
+    reason: str | None = None
+
+
 class Health(msgspec.Struct, omit_defaults=True):
     status: Literal["ok", "error"]
     reason: str | None = None
+    replicas: list[ReplicaHealth] | None = None  # with --dp above 1: each replica's state

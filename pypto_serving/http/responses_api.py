@@ -19,7 +19,7 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from pypto_serving.actors.engine import Engine
+from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.core.generate_config import GenerateDefaults
 from pypto_serving.core.request import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
 from pypto_serving.http import bodies, protocol
@@ -384,7 +384,7 @@ class EventWriter:
 class ResponsesEndpoint:
     """POST /v1/responses over the engine, with its store of conversations."""
 
-    def __init__(self, engine: Engine, served_name: str, defaults: GenerateDefaults,
+    def __init__(self, engine: ReplicaSet, served_name: str, defaults: GenerateDefaults,
                  parsers: protocol.ModelParsers, store_size: int):
         self.engine, self.served_name = engine, served_name
         self.defaults, self.parsers = defaults, parsers

@@ -18,7 +18,7 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from pypto_serving.actors.engine import Engine
+from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.core.generate_config import GenerateDefaults
 from pypto_serving.core.request import (
     INVALID_MODEL_OUTPUT,
@@ -55,7 +55,7 @@ def _sse(body: object) -> bytes:
 
 
 class Handlers:
-    def __init__(self, engine: Engine, served_name: str, defaults: GenerateDefaults,
+    def __init__(self, engine: ReplicaSet, served_name: str, defaults: GenerateDefaults,
                  parsers: protocol.ModelParsers | None = None, responses_store_size: int = 1000):
         self.engine = engine
         self.served_name = served_name
@@ -78,10 +78,13 @@ class Handlers:
         ]
 
     async def health(self, request: web.Request) -> web.Response:
+        """503 only when no replica can serve; with several, each one's state."""
         reason = self.engine.dead_reason
-        if reason is not None:
-            return json_response({"status": "error", "reason": reason}, 503)
-        return json_response({"status": "ok"})
+        replicas = None if len(self.engine) == 1 else [
+            r.ReplicaHealth(label, "ok" if why is None else "error", why)
+            for label, why in self.engine.states()]
+        body = r.Health("ok" if reason is None else "error", reason, replicas)
+        return json_response(body, 200 if reason is None else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         permission = r.ModelPermission(f"modelperm-{self.served_name}", "model_permission", self.created)

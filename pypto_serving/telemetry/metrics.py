@@ -11,10 +11,11 @@ vLLM's `vllm:` names for existing dashboards.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -220,16 +221,60 @@ class EngineMetrics:
 
     def snapshot(self) -> dict[str, Any]:
         """The /metrics/json document (schema_version 1)."""
+        return self.document([self.replica_json()])
+
+    def document(self, replicas: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"schema_version": 1, "server_id": self.server_id, "started_at": self.started_at,
+                "timestamp": time.time(), "model_name": self.model_name, "replicas": replicas}
+
+    def replica_json(self) -> dict[str, Any]:
+        """This replica's entry in the /metrics/json document."""
         reasons = dict(self.finish_reasons)
         counters = {**self.counters(), "requests_finished": sum(reasons.values()),
                     "requests_error": reasons["error"], "requests_aborted": reasons["aborted"]}
-        replica = {"engine": self.engine, "gauges": self.gauges(), "counters": counters,
-                   "finish_reasons": reasons, "rejections": dict(self.rejections),
-                   "worker_restarts": self.worker_restarts,
-                   **self._spec_decode_json(),
-                   "histograms": {key: _histogram_json(h) for key, h in self.histograms.items()}}
-        return {"schema_version": 1, "server_id": self.server_id, "started_at": self.started_at,
-                "timestamp": time.time(), "model_name": self.model_name, "replicas": [replica]}
+        return {"engine": self.engine, "gauges": self.gauges(), "counters": counters,
+                "finish_reasons": reasons, "rejections": dict(self.rejections),
+                "worker_restarts": self.worker_restarts,
+                **self._spec_decode_json(),
+                "histograms": {key: _histogram_json(h) for key, h in self.histograms.items()}}
+
+
+class ReplicaMetrics:
+    """The numbers of every data-parallel replica as one scrape: one series per replica
+    (`engine` label) in each family. What happens before a request reaches a replica (its
+    `n` parameter, a body over the size limit) counts under the first replica's label."""
+
+    def __init__(self, replicas: Sequence[EngineMetrics]):
+        self.replicas = list(replicas)
+
+    def observe(self, histogram: str, value: float) -> None:
+        self.replicas[0].observe(histogram, value)
+
+    def rejected(self, reason: str) -> None:
+        self.replicas[0].rejected(reason)
+
+    def families(self) -> list[Metric]:
+        return merge_families([m.families() for m in self.replicas])
+
+    def render(self) -> bytes:
+        return render_families(self.families())
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.replicas[0].document([m.replica_json() for m in self.replicas])
+
+
+def merge_families(groups: list[list[Metric]]) -> list[Metric]:
+    """Several replicas' families as one family per name holding every replica's samples (a
+    Prometheus exposition may name each family once)."""
+    merged: dict[str, Metric] = {}
+    for families in groups:
+        for family in families:
+            if family.name in merged:
+                merged[family.name].samples.extend(family.samples)
+            else:
+                merged[family.name] = one = copy.copy(family)
+                one.samples = list(family.samples)
+    return list(merged.values())
 
 
 def render_families(families: list[Metric]) -> bytes:

@@ -403,3 +403,19 @@ def test_a_preempted_sequence_aborted_while_waiting_is_dropped_by_the_worker():
     h.sched.abort(victim.seq_id, "aborted")
     plan = h.step()
     assert victim.seq_id in plan.finished  # the worker forgets its state (it had been admitted)
+
+
+def test_pending_tokens_are_every_sequences_uncomputed_tokens_and_outputs_left():
+    h = Harness(num_blocks=6, block_size=4)  # 24 token slots: the two sequences preempt
+    seqs = make_sequences(2, prompt_len=8, max_tokens=8)
+    for s in seqs:
+        h.sched.add(s)
+    assert h.sched.pending_tokens == 2 * (8 + 8) and h.sched.holds(0) and not h.sched.holds(7)
+    h.step()  # both prefilled, one token each
+    assert [s.work_left for s in seqs] == [1 + 7, 1 + 7] and h.sched.pending_tokens == 16
+    while not any(s.num_preemptions for s in seqs):
+        assert h.step() is not None
+    victim = next(s for s in seqs if s.num_preemptions)  # its KV is gone: all of it again
+    assert victim.work_left == victim.num_tokens + victim.max_tokens - victim.num_output_tokens
+    h.run()
+    assert h.sched.pending_tokens == 0 and not h.sched.holds(0)

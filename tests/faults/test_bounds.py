@@ -13,6 +13,7 @@ import time
 from aiohttp.test_utils import TestClient, TestServer
 
 from pypto_serving.actors.engine import Engine
+from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.http.ops import Ops
 from pypto_serving.http.server import Handlers, build_app
 from pypto_serving.messages.worker import StepPlan
@@ -37,9 +38,10 @@ class BoundedServer(ScriptedServer):
     async def __aenter__(self) -> TestClient:
         self.engine = Engine(self.settings.engine, self.tokenizer, worker_factory=self.worker)
         await self.engine.start()
-        app = build_app(Handlers(self.engine, "scripted", self.settings.defaults, self.settings.parsers),
+        replicas = ReplicaSet([self.engine])
+        app = build_app(Handlers(replicas, "scripted", self.settings.defaults, self.settings.parsers),
                         self.settings.http)
-        Ops(self.engine, None).install(app)
+        Ops(replicas, None).install(app)
         self.client = TestClient(TestServer(app))
         await self.client.start_server()
         return self.client

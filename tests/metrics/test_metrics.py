@@ -10,7 +10,14 @@ from pypto_serving.core.block_allocator import BlockAllocator
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.core.sequence import Sequence
 from pypto_serving.messages.worker import StepResult
-from pypto_serving.telemetry.metrics import COUNTERS, GAUGES, HISTOGRAMS, EngineMetrics, token_buckets
+from pypto_serving.telemetry.metrics import (
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    EngineMetrics,
+    ReplicaMetrics,
+    token_buckets,
+)
 
 PROMPT = tuple(range(100, 112))  # 12 tokens: 3 blocks of 4
 
@@ -130,3 +137,25 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
 
 def test_token_buckets():
     assert token_buckets(512) == (1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+def test_replicas_render_as_one_family_per_name_with_a_series_per_engine():
+    replicas = [EngineMetrics("tiny", 64, engine=str(i)) for i in range(2)]
+    for i, metrics in enumerate(replicas):
+        metrics.request_finished("length", 4, 2 + i)
+    both = ReplicaMetrics(replicas)
+    both.rejected("body_too_large")  # before any replica got the request: the first's
+    text = both.render().decode()
+    assert text.count("# TYPE pypto:num_requests_running gauge") == 1
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    running = families["pypto:num_requests_running"].samples
+    assert [s.labels["engine"] for s in running] == ["0", "1"]
+    done = [s for s in families["vllm:request_success"].samples
+            if s.labels["finished_reason"] == "length" and s.name.endswith("_total")]
+    assert [(s.labels["engine"], s.value) for s in done] == [("0", 1), ("1", 1)]
+    tokens = families["pypto:request_generation_tokens"].samples
+    assert sorted(s.value for s in tokens if s.name.endswith("_sum")) == [2, 3]
+    snap = both.snapshot()
+    assert [r["engine"] for r in snap["replicas"]] == ["0", "1"]
+    assert [r["rejections"]["body_too_large"] for r in snap["replicas"]] == [1, 0]
+    assert snap["server_id"] == replicas[0].server_id

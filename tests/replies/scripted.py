@@ -15,6 +15,7 @@ from collections.abc import Callable
 from aiohttp.test_utils import TestClient, TestServer
 
 from pypto_serving.actors.engine import Engine
+from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.app.cli import build_parser
 from pypto_serving.app.model_source import resolve_model
 from pypto_serving.app.settings import build_settings
@@ -81,7 +82,8 @@ class ScriptedServer:
     async def __aenter__(self) -> TestClient:
         self.engine = Engine(self.settings.engine, self.tokenizer, worker_factory=self.worker)
         await self.engine.start()
-        handlers = Handlers(self.engine, "scripted", self.settings.defaults, self.settings.parsers)
+        replicas = ReplicaSet([self.engine])
+        handlers = Handlers(replicas, "scripted", self.settings.defaults, self.settings.parsers)
         self.client = TestClient(TestServer(build_app(handlers)))
         await self.client.start_server()
         return self.client
