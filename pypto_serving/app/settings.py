@@ -24,6 +24,7 @@ from pypto_serving.http.edge import EdgeConfig, load_api_keys
 from pypto_serving.http.protocol import ModelParsers
 from pypto_serving.http.server import HttpLimits
 from pypto_serving.messages.worker import (
+    ON_THE_HOST,
     ActivationQuantization,
     BackendName,
     DeviceConfig,
@@ -76,7 +77,8 @@ class ServerSettings:
         return replica_config(self.engine, self.device_groups[index], self.backend, index)
 
 
-def replica_config(engine: EngineConfig, group: tuple[int, ...], backend: str, index: int = 0) -> EngineConfig:
+def replica_config(engine: EngineConfig, group: tuple[int, ...], backend: str,
+                   index: int = 0) -> EngineConfig:
     """A given --master-port is replica 0's; each later replica's group meets one port up."""
     worker = engine.worker
     device = msgspec.structs.replace(worker.device, device=device_string(backend, group[0]))
@@ -337,7 +339,7 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
     return WorkerConfig(
         model=ModelConfig(str(source.path), ModelFormat(source.format), source.arch),
         device=DeviceConfig(BackendName(backend), device, DType(dtype),
-                            DType(_kv_dtype(args, dtype, quantization))),
+                            DType(_kv_dtype(args, dtype, quantization)), _threads(args, backend)),
         kv_cache=KVCacheConfig(block_size, _max_blocks(args, block_size),
                                args.kv_cache_memory or DEFAULT_CPU_KV_BYTES, args.gpu_memory_utilization),
         limits=StepLimits(args.max_num_seqs, args.max_model_len, step_budget(args, backend)),
@@ -348,6 +350,15 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
         weight_cache_dir=weight_cache_dir(args),
         parallel=_parallel(args, devices),
     )
+
+
+def _threads(args: argparse.Namespace, backend: str) -> int:
+    """Several workers on this host's CPU (--dp replicas, --tp ranks) share its cores evenly,
+    rather than each starting a thread per core (0: one worker, torch's default)."""
+    workers = args.data_parallel_size * args.tensor_parallel_size // args.nnodes
+    if backend not in ON_THE_HOST or workers == 1:
+        return 0
+    return max(1, len(os.sched_getaffinity(0)) // workers)
 
 
 def weight_cache_dir(args: argparse.Namespace) -> str:

@@ -66,6 +66,7 @@ class DeviceConfig(msgspec.Struct, frozen=True):
     device: str  # torch device string, e.g. "cpu", "cuda:0"
     dtype: DType
     kv_cache_dtype: DType = DType.AUTO
+    threads: int = 0  # compute threads of each worker process on the host (0: torch's default)
 
 
 class QuantConfig(msgspec.Struct, frozen=True):

@@ -79,6 +79,8 @@ class ModelRunner:
         """`tp`: this rank's place in its group; `agree(n)`: the smallest of every rank's n;
         `device`: this rank's torch device ("": `cfg.device.device`, rank 0's)."""
         self.cfg, self.tp = cfg, tp
+        if cfg.device.threads:
+            torch.set_num_threads(cfg.device.threads)
         self.arch, self.block_size = cfg.model.arch, cfg.kv_cache.block_size
         self.dtype = torch_dtype(cfg.device.dtype)
         self.backend = make_backend(cfg.device.backend, device or cfg.device.device, self.dtype)

@@ -28,7 +28,8 @@ def token_ids(stdout: str) -> list[str]:
 
 
 def offline(*args: str) -> list[str]:
-    out = run_cli(*PROMPTS, "--generate-config", '{"max_new_tokens": 32, "ignore_eos": true}', *PATH, *args, timeout=600)
+    config = '{"max_new_tokens": 32, "ignore_eos": true}'
+    out = run_cli(*PROMPTS, "--generate-config", config, *PATH, *args, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     ids = token_ids(out.stdout)
     assert len(ids) == 2 and all(len(i.split(",")) == 32 for i in ids)
