@@ -41,7 +41,7 @@ from pypto_serving.messages.worker import (
     WorkerConfig,
     device_string,
 )
-from pypto_serving.parallel.sharding import check_divisible
+from pypto_serving.parallel.shapes import check_divisible
 from pypto_serving.parsers import reasoning_parser_for, tool_parser_for, tool_parser_name
 from pypto_serving.telemetry.profiling import DEFAULT_LEVELS, ProfileConfig
 

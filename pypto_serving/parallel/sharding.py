@@ -19,23 +19,9 @@ import msgspec
 import torch
 
 from pypto_serving.loader.arch import ModelArch
+from pypto_serving.parallel.shapes import check_divisible
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
-
-
-def check_divisible(arch: ModelArch, size: int) -> str | None:
-    """Why `arch` cannot be split over `size` ranks (None: it can)."""
-    if size == 1:
-        return None
-    if arch.num_heads % size:
-        return f"the model's {arch.num_heads} attention heads do not divide over {size} ranks"
-    kv = arch.num_kv_heads
-    if (kv >= size and kv % size) or (kv < size and size % kv):
-        return (f"the model's {kv} KV heads neither divide over {size} ranks nor replicate "
-                f"evenly on them")
-    if arch.intermediate_size % size:
-        return f"the model's MLP width {arch.intermediate_size} does not divide over {size} ranks"
-    return None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pypto_serving.loader.arch import ModelArch
-from pypto_serving.parallel import TensorParallel, check_divisible
+from pypto_serving.parallel.shapes import check_divisible
+from pypto_serving.parallel.sharding import TensorParallel
 
 ARCH = ModelArch(family="qwen2", vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=1,
                  num_heads=4, num_kv_heads=2, head_dim=2, rms_norm_eps=1e-6, rope_theta=1e4,
