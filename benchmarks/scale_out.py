@@ -10,8 +10,8 @@ ignoring EOS. On a CPU this measures correctness and overhead, not a speed-up: t
 replicas share the same cores (each worker gets an even share of them).
 
 Then one profiled run per configuration with tensor parallelism (`--profile-level
-e2e,kernel`): rank 0's collectives (torch.distributed's gloo all-reduce, all-gather and the plan
-broadcast, as torch's profiler names them) as a share of its `forward` spans.
+e2e,kernel`): rank 0's collectives (torch.distributed's all-reduce, all-gather and the plan
+broadcast, `c10d::*` in torch's profiler) as a share of its `forward` spans.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from benchmarks.step_gaps import forwards, profiled
 from pypto_serving.app.packaged_models import resolve_short_name
 
 CONFIGS = {"tp1": [], "tp2": ["--tp", "2"], "dp2": ["--dp", "2"]}
-COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "broadcast")
+# torch.distributed's ops as the calling thread sees them (the time a step waits); gloo's own
+# spans (gloo:all_reduce, ...) run on its threads, inside these.
+COLLECTIVES = ("c10d::allreduce_", "c10d::allgather_", "c10d::broadcast_")
 
 
 def spread(values: list[float]) -> str:
@@ -42,11 +44,8 @@ def collective_share(trace: dict) -> dict:
     process that wrote the forward spans)."""
     steps = forwards(trace)
     pids = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == "forward"}
-    ops = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") in pids
-           and any(w in e.get("name", "").lower() for w in COLLECTIVE_WORDS)]
-    # Only the outermost op of each call: the profiler nests c10d:: ops inside record functions.
-    outer = [e for e in ops if not any(o is not e and o["ts"] <= e["ts"] and
-                                       e["ts"] + e["dur"] <= o["ts"] + o["dur"] for o in ops)]
+    outer = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") in pids
+             and e.get("name") in COLLECTIVES]
     step_us = sum(end - start for start, end, _ in steps)
     op_us = sum(e["dur"] for e in outer)
     return {"steps": len(steps), "collectives_per_step": round(len(outer) / max(1, len(steps)), 1),

@@ -94,7 +94,7 @@ class ModelRunner:
         self.model = build_model(self.arch, self.dtype, self.device, cfg.limits.max_model_len, layers, tp)
         self.weights_from = load_with_cache(
             self.model, cfg, lambda: load_weights(self.model, self.arch, weight_source(cfg.model), tp),
-            shard=(tp.rank, tp.size))
+            shard=(tp.rank, tp.size), device=str(self.device))
         self.weight_bytes = module_bytes(self.model)
         self.seqs: dict[int, SeqState] = {}
         self._seeds = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)

@@ -57,7 +57,7 @@ STALE_TEMP_S = 3600.0
 
 
 def load_with_cache(model: nn.Module, cfg: WorkerConfig, load: Callable[[], None],
-                    shard: tuple[int, int] = (0, 1)) -> str:
+                    shard: tuple[int, int] = (0, 1), device: str = "") -> str:
     """Fills `model` from the cache entry of `cfg`, else with `load()` and then writes the
     entry. Returns how: "cache", "checkpoint" (entry written or not) or "uncached"."""
     if not cfg.weight_cache_dir or not worth_caching(cfg):
@@ -65,7 +65,7 @@ def load_with_cache(model: nn.Module, cfg: WorkerConfig, load: Callable[[], None
         return "uncached"
     key = cache_key(cfg, shard)
     path = entry_path(Path(cfg.weight_cache_dir), cfg.model, key)
-    if _restore(model, path, key, torch.device(cfg.device.device)):
+    if _restore(model, path, key, torch.device(device or cfg.device.device)):  # this rank's device
         return "cache"
     load()
     _save(model, path, key)
