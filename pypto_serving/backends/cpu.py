@@ -57,7 +57,7 @@ class CpuBackend(PortableBackend):
 
         return DecoderOps(c.fp32_rows(c.rms_norm_cpu, PORTABLE.rms_norm),
                           c.fp32_rows(c.add_rms_norm_cpu, PORTABLE.add_rms_norm),
-                          c.fp32_rows(c.silu_and_mul_cpu, PORTABLE.silu_and_mul), c.attend_cpu)
+                          c.fp32_rows(c.silu_and_mul_cpu, PORTABLE.silu_and_mul), c.attend_cpu, c.qk_norm_cpu)
 
     def stack(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> StackRunner | None:
         """Every step in one C call where the per-layer path would use the C kernels anyway."""

@@ -9,7 +9,8 @@ tensors alive), then runs each step, decode rows and prefill chunks in any mix, 
 The kernels and their order are those of the per-layer path, so the hidden states are the
 same bit for bit (tests/worker check it).
 Used only where that path would use the same fused kernels: packed weights whose widths fill
-whole panels, no q/k norms (Qwen3), head_dim <= 64. With int8 activations
+whole panels, head_dim a multiple of 16 up to the C attention's MAX_HEAD_DIM (Qwen3's q/k
+norms run inside the fused projection, as in that path). With int8 activations
 (`--activation-quantization`) the stack's linears are qdot.c's, as in that path.
 """
 
@@ -20,6 +21,7 @@ import ctypes
 import torch
 
 from pypto_serving.kernels.attention import AttentionMetadata
+from pypto_serving.kernels.cpu.decoder import MAX_HEAD_DIM
 from pypto_serving.kernels.quant_linear import PANEL
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.models.llama import LlamaForCausalLM
@@ -37,7 +39,8 @@ class _QLinear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _QLinear), ("o", _QLinear),
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("qkv", _QLinear), ("o", _QLinear),
                 ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", _P), ("v_cache", _P)]
 
 
@@ -120,6 +123,12 @@ def _qlinear(m: torch.nn.Module) -> _QLinear:
                     None if bias is None else bias.data_ptr(), w.k, w.q.shape[0], w.bits)
 
 
+def _qk_norms(attn: torch.nn.Module) -> tuple[int | None, int | None]:
+    if not attn.qk_norm:
+        return None, None
+    return attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+
+
 def _fills_panels(m: torch.nn.Module) -> bool:
     return isinstance(m, QuantLinear) and m.weight.packed.n % PANEL == 0
 
@@ -141,7 +150,8 @@ class DecoderStack:
                              model.model.norm.weight.data_ptr())
         self._layers = (_Layer * len(layers))(*(
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                   _qlinear(layer.self_attn.qkv_proj), _qlinear(layer.self_attn.o_proj),
+                   *_qk_norms(layer.self_attn), _qlinear(layer.self_attn.qkv_proj),
+                   _qlinear(layer.self_attn.o_proj),
                    _qlinear(layer.mlp.gate_up_proj), _qlinear(layer.mlp.down_proj),
                    kv[0].data_ptr(), kv[1].data_ptr())
             for layer, kv in zip(layers, kv_caches, strict=True)))
@@ -158,7 +168,7 @@ class DecoderStack:
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         fits = (
             cpu.available() and model.rope.dtype == torch.float32
-            and not arch.qk_norm and arch.head_dim <= 64 and arch.head_dim % 16 == 0
+            and arch.head_dim <= MAX_HEAD_DIM and arch.head_dim % 16 == 0
             and arch.hidden_size % 8 == 0 and arch.intermediate_size % 8 == 0
             and isinstance(model.model.embed_tokens, QuantEmbedding)
             and all(_fills_panels(m) for m in linears)

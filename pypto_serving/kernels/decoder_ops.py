@@ -50,6 +50,12 @@ def _rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary:
     return q
 
 
+def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k [T, heads, d] before rotary."""
+    return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+
+
 @dataclass(frozen=True, slots=True)
 class DecoderOps:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -57,6 +63,8 @@ class DecoderOps:
                            tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     attend: Attend
+    qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                      tuple[torch.Tensor, torch.Tensor]] = qk_norm
 
 
 PORTABLE = DecoderOps(rms_norm, add_rms_norm, silu_and_mul, attend)

@@ -55,7 +55,7 @@ class Attention(nn.Module):
         k = k.view(tokens, self.kv_heads, self.head_dim)
         v = v.view(tokens, self.kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.ops.qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = self.ops.attend(q, k, v, rotary, kv, meta, self.head_dim**-0.5)  # [T, heads, d]
         return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.heads * self.head_dim)))
 

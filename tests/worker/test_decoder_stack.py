@@ -34,6 +34,7 @@ def steps_of_every_kind(d: Driver) -> list[torch.Tensor]:
 @pytest.mark.parametrize(("name", "kv", "activations"), [
     ("llama", "float16", "none"), ("llama", "float32", "none"), ("llama", "float16", "int8"),
     ("qwen2_tied", "float16", "none"), ("qwen2_tied", "float32", "int8"),  # qwen2: q/k/v bias
+    ("qwen3", "float16", "int8"), ("qwen3_wide", "float16", "none"),  # q/k norms; head_dim 128
 ])
 def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str, activations: str) -> None:
     config = {"quantization": "int4", "kv_cache_dtype": kv, "activation_quantization": activations}
@@ -55,7 +56,7 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str,
 
 def test_no_stack_where_it_does_not_fit(driver) -> None:
     assert driver("llama")[0].runner.stack is None  # exact fp32 weights
-    assert driver("qwen3", quantization="int4")[0].runner.stack is None  # q/k norms
+    assert driver("qwen3", quantization="int4", dtype="bfloat16")[0].runner.stack is None  # not float32
 
 
 @pytest.mark.parametrize("activations", ["none", "int8"])

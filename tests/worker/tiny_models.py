@@ -55,6 +55,7 @@ CHECKPOINTS: dict[str, tuple[str, dict]] = {
     "llama_rope_llama3": ("Llama", dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2_tied": ("Qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3", dict(head_dim=32)),  # head_dim != hidden / heads
+    "qwen3_wide": ("Qwen3", dict(head_dim=128)),  # Qwen3-8B's and -14B's head width
 }
 
 

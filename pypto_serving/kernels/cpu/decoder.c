@@ -12,6 +12,7 @@
 #include <string.h>
 
 #define INLINE_LOAD static inline __attribute__((always_inline))
+#define MAX_HEAD_DIM 256 /* the attention keeps 8 keys of up to this many floats on the stack */
 
 /* exp for x <= 0 (softmax after max subtraction, silu of -|x|): Cephes-style, ~1 ulp. */
 static inline __m256 exp8(__m256 x) {
@@ -65,6 +66,33 @@ void add_rms_norm(const float *x, float *residual, const float *weight, float ep
             __m256 v = _mm256_mul_ps(_mm256_loadu_ps(r + j), inv);
             _mm256_storeu_ps(out + i * d + j, _mm256_mul_ps(v, _mm256_loadu_ps(weight + j)));
         }
+    }
+}
+
+/* n rows of d floats, in place: x = rms_norm(x) * weight, each row as add_rms_norm does one. */
+static inline void rms_norm_rows(float *x, int64_t n, int64_t d, const float *weight, float eps) {
+    for (int64_t h = 0; h < n; h++) {
+        float *r = x + h * d;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 8) {
+            __m256 v = _mm256_loadu_ps(r + j);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+        for (int64_t j = 0; j < d; j += 8)
+            _mm256_storeu_ps(r + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(r + j), inv),
+                                                  _mm256_loadu_ps(weight + j)));
+    }
+}
+
+/* Qwen3's q/k norms inside the fused projection, in place: rows [t] of row stride ld, each
+ * holding q heads [heads, d] then k heads [kv_heads, d] (then v, untouched); d % 8 == 0. */
+void qk_norm(float *qkv, int64_t t, int64_t ld, int64_t heads, int64_t kv_heads, int64_t d, const float *q_weight,
+             const float *k_weight, float eps) {
+#pragma omp parallel for schedule(static) if (t > 16)
+    for (int64_t i = 0; i < t; i++) {
+        rms_norm_rows(qkv + i * ld, heads, d, q_weight, eps);
+        rms_norm_rows(qkv + i * ld + heads * d, kv_heads, d, k_weight, eps);
     }
 }
 
@@ -213,7 +241,7 @@ INLINE_LOAD void weigh_values(const float *p, int64_t ld_p, const int c, const v
     }
 }
 
-/* Keys l .. l + 7 as float, kb[u * 64 + j]; those at n and beyond are zeros (their scores are
+/* Keys l .. l + 7 as float, kb[u * d + j]; those at n and beyond are zeros (their scores are
  * computed and never read). The keys PREFETCH_KEYS further on are fetched by hand. */
 INLINE_LOAD void load_keys8(float *kb, const void *k_cache, const int64_t *slots, int64_t l, int64_t n,
                             int64_t kv_stride, int64_t d, const int half) {
@@ -223,7 +251,7 @@ INLINE_LOAD void load_keys8(float *kb, const void *k_cache, const int64_t *slots
         prefetch_vector(k_bytes + slots[u] * row, vec);
     for (int u = 0; u < 8; u++)
         for (int64_t j = 0; j < d; j += 8)
-            _mm256_store_ps(kb + u * 64 + j,
+            _mm256_store_ps(kb + u * d + j,
                             l + u < n ? load_kv(k_cache, slots[l + u] * kv_stride + j, half) : _mm256_setzero_ps());
 }
 
@@ -237,7 +265,7 @@ INLINE_LOAD void score_keys8(const float *q, int64_t g, const float *kb, int64_t
         for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
         for (int64_t j = 0; j < d; j += 8) {
             __m256 qj = _mm256_loadu_ps(q + h * d + j);
-            for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qj, _mm256_load_ps(kb + u * 64 + j), acc[u]);
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qj, _mm256_load_ps(kb + u * d + j), acc[u]);
         }
         _mm256_storeu_ps(scores + h * ld_scores + l, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
     }
@@ -335,7 +363,7 @@ INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, co
 INLINE_LOAD void attend_rows(const float *q, int64_t ldq, int64_t rows, int64_t n0, int64_t g, const void *k_cache,
                              const void *v_cache, const int64_t *slots, int64_t kv_stride, int64_t d, float scale,
                              float *scores, int64_t ld_scores, float *out, int64_t ldo, const int half) {
-    float kb[8 * 64] __attribute__((aligned(32)));
+    float kb[8 * MAX_HEAD_DIM] __attribute__((aligned(32)));
     int64_t n_max = n0 + rows;
     for (int64_t l = 0; l < n_max; l += 8) {
         load_keys8(kb, k_cache, slots, l, n_max, kv_stride, d, half);
@@ -359,7 +387,7 @@ int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len) { return b 
 
 /* One query per sequence: q rows [b] (row stride ldq, heads * d used), slots [b, max_len]
  * padded, lens [b]; out [b, heads * d]. Caches float32, or float16 with kv_half.
- * d % 8 == 0 and d <= 64; scores: decode_scores_len(b, heads, max_len) floats. */
+ * d % 8 == 0 and d <= MAX_HEAD_DIM; scores: decode_scores_len(b, heads, max_len) floats. */
 void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
                       const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
                       const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half) {

@@ -9,7 +9,9 @@ import torch
 
 from pypto_serving.kernels.attention import AttentionMetadata, paged_attention
 from pypto_serving.kernels.cpu import library
-from pypto_serving.kernels.decoder_ops import KVCache, Rotary, attend
+from pypto_serving.kernels.decoder_ops import KVCache, Rotary, attend, qk_norm
+
+MAX_HEAD_DIM = 256  # decoder.c's
 
 
 def add_rms_norm_cpu(
@@ -26,6 +28,22 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     out = torch.empty_like(x)
     library().add_rms_norm(None, x.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def qk_norm_cpu(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qk_norm` in place, when q and k are consecutive float32 column blocks of the fused
+    projection's rows (as `attend_cpu` then finds them), else the portable kernel."""
+    t, heads, d = q.shape
+    fused = (q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == torch.float32 and d % 8 == 0
+             and q.stride()[1:] == (d, 1) and k.stride()[1:] == (d, 1) and q.stride(0) == k.stride(0)
+             and k.data_ptr() == q.data_ptr() + heads * d * 4
+             and q_weight.is_contiguous() and k_weight.is_contiguous())
+    if not fused:
+        return qk_norm(q, k, q_weight, k_weight, eps)
+    library().qk_norm(q.data_ptr(), t, q.stride(0), heads, k.shape[1], d, q_weight.data_ptr(),
+                      k_weight.data_ptr(), eps)
+    return q, k
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
@@ -97,10 +115,10 @@ def prefill_attention_cpu(
 
 
 def _check_inputs(kernel: str, k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> None:
-    """The C attention takes head_dim d <= 64 (a multiple of 8) and reads contiguous float32
-    or float16 caches [..., kv_heads, d]."""
-    if d > 64 or d % 8:
-        raise ValueError(f"{kernel} takes head_dim <= 64 and a multiple of 8, got {d}")
+    """The C attention takes head_dim d <= MAX_HEAD_DIM (a multiple of 8) and reads contiguous
+    float32 or float16 caches [..., kv_heads, d]."""
+    if d > MAX_HEAD_DIM or d % 8:
+        raise ValueError(f"{kernel} takes head_dim <= {MAX_HEAD_DIM} and a multiple of 8, got {d}")
     for cache in (k_cache, v_cache):
         usable = cache.dtype in (torch.float32, torch.float16) and cache.is_contiguous()
         if not usable or cache.shape[-1] != d:
@@ -128,7 +146,7 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary
     width = (q.shape[1] + 2 * k.shape[1]) * q.shape[2]
     qkv = torch.as_strided(q, (q.shape[0], width), (width, 1))
     rope_write_kv_cpu(qkv, q.shape[1], k.shape[1], *rotary, meta.slot_mapping, *kv)
-    if q.shape[2] > 64:  # the C attention keeps 8 keys of at most 64 floats on the stack
+    if q.shape[2] > MAX_HEAD_DIM:  # the C attention keeps 8 keys of at most that on the stack
         return paged_attention(q, kv[0], kv[1], meta, scale)
 
     def decode(dq: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
 void add_rms_norm(const float *x, float *residual, const float *weight, float eps, int64_t t, int64_t d,
                   float *out);
 void silu_and_mul(const float *gate_up, int64_t t, int64_t n, float *out);
+void qk_norm(float *qkv, int64_t t, int64_t ld, int64_t heads, int64_t kv_heads, int64_t d, const float *q_weight,
+             const float *k_weight, float eps);
 void rope_write_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
                    const float *sin, int64_t ld_cs, const int64_t *slots, void *k_cache, void *v_cache,
                    int64_t kv_half);
@@ -40,6 +42,7 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim] each (Qwen3), or NULL */
     QLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 } Layer;
@@ -82,7 +85,8 @@ int64_t stack_layout(int64_t *out, int64_t cap) {
     const int64_t layout[] = {
         sizeof(QLinear), FIELD(QLinear, q), FIELD(QLinear, scale), FIELD(QLinear, zero), FIELD(QLinear, bias),
         FIELD(QLinear, k), FIELD(QLinear, n_blocks), FIELD(QLinear, bits), -1,
-        sizeof(Layer), FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, qkv), FIELD(Layer, o),
+        sizeof(Layer), FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm),
+        FIELD(Layer, k_norm), FIELD(Layer, qkv), FIELD(Layer, o),
         FIELD(Layer, gate_up), FIELD(Layer, down), FIELD(Layer, k_cache), FIELD(Layer, v_cache), -1,
         sizeof(Chunk), FIELD(Chunk, start), FIELD(Chunk, n), FIELD(Chunk, ctx_slots), FIELD(Chunk, n_ctx), -1,
         sizeof(StepRows), FIELD(StepRows, t), FIELD(StepRows, slots), FIELD(StepRows, n_decode),
@@ -160,6 +164,7 @@ int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, floa
         /* layer 0 normalizes the embeddings; later layers add the last MLP output first */
         add_rms_norm(l ? proj : NULL, residual, L->input_norm, sh->eps, t, hidden, normed);
         if ((failed = linear(sh, &L->qkv, normed, t, qkv))) break;
+        if (L->q_norm) qk_norm(qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
         rope_write_kv(qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
                       sh->kv_half);
         if ((failed = attend(sh, L, r, qkv, width, &ds, attn))) break;
