@@ -1,5 +1,7 @@
-"""The cuda backend: torch's kernels on an NVIDIA GPU, SDPA for prefill attention, the KV
-cache sized from `--gpu-memory-utilization` after a forward of the largest step."""
+"""The cuda backend: torch's kernels on an NVIDIA GPU, SDPA for prefill attention, paged decode
+attention in Triton (kernels/triton/: it reads the paged cache through the slot table) where
+Triton is installed, the KV cache sized from `--gpu-memory-utilization` after a forward of the
+largest step."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from types import ModuleType
 import torch
 
 from pypto_serving.backends.portable import PortableBackend
-from pypto_serving.kernels.decoder_ops import SDPA, DecoderOps
+from pypto_serving.kernels import triton as triton_kernels
+from pypto_serving.kernels.decoder_ops import SDPA, DecoderOps, attend_sdpa_with
 
 
 class CudaBackend(PortableBackend):
@@ -21,8 +24,15 @@ class CudaBackend(PortableBackend):
         """The device's memory API (torch.cuda; torch.npu registers the same one)."""
         return torch.cuda
 
+    paged_triton: bool = True  # the Triton decode attention, where Triton is installed
+
     def decoder_ops(self, packed: bool) -> DecoderOps:
-        return SDPA
+        if not (self.paged_triton and triton_kernels.available()):
+            return SDPA
+        from pypto_serving.kernels.triton.paged_attention import paged_decode_attention
+
+        return DecoderOps(SDPA.rms_norm, SDPA.add_rms_norm, SDPA.silu_and_mul,
+                          attend_sdpa_with(paged_decode_attention))
 
     def kv_budget(self, host_bytes: int, utilization: float, weight_bytes: int,
                   largest_step: Callable[[], None], sampler_bytes: int) -> int:

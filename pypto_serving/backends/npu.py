@@ -13,6 +13,7 @@ from pypto_serving.backends.cuda import CudaBackend
 class NpuBackend(CudaBackend):
     name = "npu"
     profiler_activities = ("cpu",)
+    paged_triton = False  # Triton's kernels are CUDA's here (triton-ascend is another build)
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
         import torch_npu  # noqa: F401  - only on Ascend machines; registers the npu device type

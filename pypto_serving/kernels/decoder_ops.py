@@ -42,6 +42,29 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotar
     return paged_attention(q, kv[0], kv[1], meta, scale, prefill=prefill)
 
 
+# (q [B, heads, d], k_cache, v_cache, slots [B, L], lens [B], scale) -> [B, heads, d]
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                        torch.Tensor]
+
+
+def attend_sdpa_with(decode_kernel: DecodeKernel) -> Attend:
+    """`attend_sdpa` with `decode_kernel` for the single-query rows (a paged kernel that reads
+    the cache through the slot table, instead of the portable gather)."""
+    def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary, kv: KVCache,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        def prefill(pq: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
+            return sdpa_prefill_attention(pq, kv[0], kv[1], ctx_slots, scale)
+
+        def decode(dq: torch.Tensor) -> torch.Tensor:
+            return decode_kernel(dq, kv[0], kv[1], meta.decode_slots, meta.decode_lens, scale)
+
+        q = _rotate_and_store(q, k, v, rotary, kv, meta)
+        return paged_attention(q, kv[0], kv[1], meta, scale, decode if meta.decode_lens is not None else None,
+                               prefill)
+
+    return attend_paged
+
+
 def _rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary, kv: KVCache,
                       meta: AttentionMetadata) -> torch.Tensor:
     """Rotates q and k, stores k and v at their slots; returns the rotated q."""

@@ -1,0 +1,42 @@
+"""The cuda backend's decoder ops (SDPA prefill, Triton paged decode under Triton's
+interpreter) run a whole tiny model as the portable ones do, on CPU tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from pypto_serving.backends.cuda import CudaBackend  # noqa: E402
+from pypto_serving.kernels.decoder_ops import PORTABLE  # noqa: E402
+from tests.worker.test_decoder_stack import steps_of_every_kind  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton imported without its interpreter; no GPU here")
+
+
+def test_the_cuda_backends_decoder_ops_run_a_model_as_the_portable_ones_do(driver, monkeypatch):
+    """Every kind of step (prefill, decode, mixed, a cached prefix) through a tiny Llama."""
+    from pypto_serving.kernels.triton import paged_attention
+
+    calls = []
+    kernel = paged_attention.paged_decode_attention
+    monkeypatch.setattr(paged_attention, "paged_decode_attention",
+                        lambda *args: calls.append(1) or kernel(*args))
+    cuda_ops = CudaBackend("cpu", torch.float32).decoder_ops(packed=False)
+    assert cuda_ops.attend is not PORTABLE.attend
+    fast, _ = driver("llama")
+    slow, _ = driver("llama")
+    for module in fast.runner.model.modules():
+        if hasattr(module, "ops"):
+            module.ops = cuda_ops
+    got, want = steps_of_every_kind(fast), steps_of_every_kind(slow)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert fast.tokens == slow.tokens
+    assert len(calls) == 2 * 7  # both layers of every step with decode rows
