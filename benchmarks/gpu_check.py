@@ -1,0 +1,179 @@
+"""The CUDA backend's device check (issue 20), one command for a machine with an NVIDIA GPU and
+no internet (run by benchmarks/gpu_check.sh, which installs the carried wheels first):
+
+    python -m benchmarks.gpu_check [--dry-run]
+
+(a) correctness: tiny random Llama, Qwen2 and Qwen3 checkpoints on `--backend cuda` against
+    the portable backend on the CPU: greedy tokens equal for 32 steps in float32, logprobs
+    within bf16 tolerance in bfloat16;
+(b) speed: a random model of Qwen2.5-Coder-0.5B's shape (the GGUF files are larger than what a
+    device run can carry) in bfloat16: the decode step at batch 1, 16, 64, 256 and a 2,048-token
+    prefill, through the model runner, with the prefill's share of the bf16 tensor-core peak;
+(c) serving: the real HTTP server on that model (a word-level tokenizer over its whole
+    vocabulary, so random token prompts decode), 256 concurrent streams of 128-token prompts
+    and 256 new tokens: output tok/s, TTFT p50/p99, TPOT p50.
+Prints one JSON line per result. `--dry-run`: the same flow on the CPU with small shapes and
+the portable backend, to check the script itself where no GPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import msgspec
+import torch
+import transformers
+
+from benchmarks.serve_bench import BenchConfig, run_benchmark
+from benchmarks.servers import Server, ours_command
+from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.messages.worker import BackendName, DType, ScheduledSeq, StepPlan, WorkerConfig
+from pypto_serving.worker.model_runner import ModelRunner
+from tests.parallel.test_tensor_parallel import _tiny, decode
+from tests.worker.tiny_models import worker_config
+
+QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                tie_word_embeddings=True, rope_theta=1e6)
+SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=True)
+BF16_PEAK_TFLOPS = 790.0  # a bf16 8192^3 matmul through PyTorch on this H200 (device notes)
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def on_device(cfg: WorkerConfig, backend: str, device: str, dtype: str) -> WorkerConfig:
+    dev = msgspec.structs.replace(cfg.device, backend=BackendName(backend), device=device,
+                                  dtype=DType(dtype), kv_cache_dtype=DType.AUTO)
+    return msgspec.structs.replace(cfg, device=dev)
+
+
+def correctness(tmp: Path, backend: str, device: str) -> bool:
+    ok = True
+    kinds = (("Llama", {}), ("Qwen2", {"tie_word_embeddings": True}), ("Qwen3", {"head_dim": 32}))
+    for kind, extra in kinds:
+        cfg = worker_config(_tiny(tmp / kind, kind, **extra))
+        ref = asyncio.run(decode(on_device(cfg, "portable", "cpu", "float32"), 32))
+        for dtype, tol in (("float32", 1e-3), ("bfloat16", 0.1)):
+            got = asyncio.run(decode(on_device(cfg, backend, device, dtype), 32))
+            diff = (torch.tensor(got[1]) - torch.tensor(ref[1])).abs().max().item()
+            same = got[0] == ref[0]
+            good = diff < tol and (same or dtype != "float32")
+            ok &= good
+            emit(check=f"{kind} {backend} {dtype} vs portable float32", tokens_equal=same,
+                 max_logprob_diff=round(diff, 5), ok=good)
+    return ok
+
+
+def _runner(path: Path, backend: str, device: str, batch: int, budget: int) -> ModelRunner:
+    dtype = "bfloat16" if backend == "cuda" else "float32"
+    cfg = worker_config(path, backend=backend, device=device, dtype=dtype, block_size=16,
+                        max_num_blocks=batch * 12 + 160, kv_cache_bytes=1 << 30, max_num_seqs=batch,
+                        max_model_len=budget + 64, max_num_batched_tokens=budget)
+    return ModelRunner(cfg)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def speed(path: Path, backend: str, device: str, batches: list[int], prefill: int,
+          flops_per_token: float) -> None:
+    runner = _runner(path, backend, device, max(batches), prefill)
+    seq = ScheduledSeq(0, list(range(1, prefill + 1)), 0, list(range(-(-prefill // 16))), True, reset=True,
+                       num_prompt_tokens=prefill, sampling=SamplingParams())
+    times = []
+    for step in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        runner.execute(StepPlan(step, [seq], [0]))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    ms = min(times[1:]) * 1000
+    tflops = flops_per_token * prefill / (ms / 1000) / 1e12
+    emit(measure=f"prefill {prefill} tokens", ms=round(ms, 2), tflops=round(tflops, 1),
+         share_of_bf16_peak=round(tflops / BF16_PEAK_TFLOPS, 3))
+    for batch in batches:
+        plan = [ScheduledSeq(i, [5 + i] * 128, 0, list(range(i * 12, i * 12 + 12)), True, reset=True,
+                             num_prompt_tokens=128, sampling=SamplingParams()) for i in range(batch)]
+        result = runner.execute(StepPlan(100, plan, [0]))
+        laps = []
+        for step in range(24):
+            seqs = [ScheduledSeq(i, [result.token_ids[i]], 128 + step, [], True) for i in range(batch)]
+            _sync(device)
+            t0 = time.perf_counter()
+            result = runner.execute(StepPlan(101 + step, seqs))
+            _sync(device)
+            laps.append(time.perf_counter() - t0)
+        ms = statistics.median(laps[4:]) * 1000
+        emit(measure=f"decode step, batch {batch}", ms=round(ms, 3), tok_s=round(batch / ms * 1000))
+        runner.execute(StepPlan(200, [], list(range(batch))))
+
+
+def word_tokenizer(path: Path, vocab: int) -> None:
+    """tokenizer.json: one word per id ("w0" ... ), so every id the model may sample decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{vocab - 1}"}))
+
+
+def serving(path: Path, backend: str, streams: int, input_len: int, output_len: int, vocab: int) -> None:
+    extra = ["--backend", backend, "--max-num-seqs", str(streams),
+             "--max-model-len", str(input_len + output_len + 16)]  # the later flags win
+    if backend != "cuda":
+        extra += ["--kv-cache-memory", "256MiB"]
+    server = Server("gpu-check", ours_command(str(path), extra), startup_timeout=600).start()
+    try:
+        cfg = BenchConfig(base_url=server.url, input_len=input_len, output_len=output_len,
+                          num_prompts=streams, concurrency=streams, temperature=0.0, ignore_eos=True,
+                          warmup=2, vocab_low=10, vocab_high=min(5000, vocab))
+        result = asyncio.run(run_benchmark(replace(cfg, server_pid=server.pid)))
+    finally:
+        server.stop()
+    emit(measure=f"serving {streams} streams {input_len}/{output_len}", failed=result.failed,
+         first_error=result.first_error,
+         output_tok_s=round(result.output_throughput), ttft_p50_ms=round(result.ttft_ms.p50),
+         ttft_p99_ms=round(result.ttft_ms.p99), tpot_p50_ms=round(result.tpot_ms.p50, 2))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="the CPU, small shapes, the portable backend")
+    args = p.parse_args()
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        print("no CUDA device (use --dry-run to check the script on the CPU)", file=sys.stderr)
+        return 1
+    backend, device = ("portable", "cpu") if dry else ("cuda", "cuda:0")
+    emit(torch=torch.__version__, device=torch.cuda.get_device_name(0) if not dry else "cpu (dry run)")
+    shape = SMALL if dry else QWEN_05B
+    with tempfile.TemporaryDirectory() as tmp:
+        ok = correctness(Path(tmp), backend, device)
+        model = Path(tmp) / "qwen-shape"
+        torch.manual_seed(0)
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+        params = sum(p.numel() for p in hf.parameters())
+        hf.to(torch.bfloat16).save_pretrained(model)
+        word_tokenizer(model, shape["vocab_size"])
+        speed(model, backend, device, [1, 4] if dry else [1, 16, 64, 256], 256 if dry else 2048, 2 * params)
+        streams, prompt, new = (4, 32, 16) if dry else (256, 128, 256)
+        serving(model, backend, streams, prompt, new, shape["vocab_size"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

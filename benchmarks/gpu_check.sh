@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The CUDA backend's device check (benchmarks/gpu_check.py), one command for a machine with an
+# NVIDIA GPU and no internet (the device tool's H200: python3 with torch 2.11 + CUDA, Triton,
+# transformers, aiohttp, tokenizers there). Well under 8 minutes there (not yet run: no device
+# has been lent to this work).
+#   here, once:  bash benchmarks/gpu_parallel_check.sh --download   (the same wheels, into .whl/)
+#   there:       bash benchmarks/gpu_check.sh                       (carry .whl)
+set -euo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+mkdir -p "${OUT:-/tmp/out}"
+python3 -m benchmarks.gpu_check 2>&1 | tee "${OUT:-/tmp/out}/gpu_check.log"
