@@ -1,10 +1,12 @@
-"""Times the device worker's decode step alone (no HTTP, no pipe) on a GGUF model.
+"""Times the device worker's decode step alone (no HTTP, no pipe) on GGUF models.
 
-    python -m benchmarks.worker_step [--model PATH] [--batch 1 16] [--steps 64]
-        [--quantization auto] [--activation-quantization int8] [--profile]
+    python -m benchmarks.worker_step [--model PATH|NAME ...] [--batch 1 16] [--steps 64]
+        [--prompt 128] [--quantization auto] [--activation-quantization int8] [--profile]
 
-Prints, for each batch size, the prefill of `batch` 128-token prompts (one step) and ms per
-decode step (median over `--steps`), and with `--profile`
+Per family, e.g. `--model smollm2 qwen2.5-coder-0.5b gemma3-270m --batch 16 --prompt 512`
+(packaged short names or GGUF paths). Prints, for each model and batch size, the prefill of
+`batch` `--prompt`-token prompts (one step) and ms per decode step (median over `--steps`),
+and with `--profile`
 the functions where a batch-1 step spends its time (cProfile, sorted by own time). Compare
 with the serve benchmark's inter-token latency to see what the rest of the server adds.
 """
@@ -17,7 +19,7 @@ import pstats
 import statistics
 import time
 
-from pypto_serving.app.packaged_models import smollm2_path
+from pypto_serving.app.packaged_models import resolve_short_name
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.loader.gguf_file import arch_from_gguf
 from pypto_serving.messages.worker import (
@@ -38,7 +40,6 @@ from pypto_serving.messages.worker import (
 from pypto_serving.worker.model_runner import ModelRunner
 
 BLOCK = 16
-PROMPT = 128
 MAX_LEN = 1024  # the runner's max_model_len: the prompt and every step must fit
 
 
@@ -57,16 +58,16 @@ def runner_for(path: str, max_seqs: int, quantization: str, activations: str) ->
 class Decoder:
     """`batch` sequences of a PROMPT-token prompt, then one decode step per call."""
 
-    def __init__(self, runner: ModelRunner, batch: int, first_id: int, steps: int):
+    def __init__(self, runner: ModelRunner, batch: int, first_id: int, steps: int, prompt_len: int):
         self.runner, self.step_id = runner, 0
         self.seqs = list(range(first_id, first_id + batch))
-        blocks = -(-(PROMPT + steps + 1) // BLOCK)
+        blocks = -(-(prompt_len + steps + 1) // BLOCK)
         self.tables = {s: list(range(i * blocks, (i + 1) * blocks)) for i, s in enumerate(self.seqs)}
-        prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT)]
-        plan = [ScheduledSeq(s, prompt, 0, self.tables[s], True, True, [], PROMPT, SamplingParams())
+        prompt = [(7 * i + 3) % 1000 + 10 for i in range(prompt_len)]
+        plan = [ScheduledSeq(s, prompt, 0, self.tables[s], True, True, [], prompt_len, SamplingParams())
                 for s in self.seqs]
         self.last = dict(zip(self.seqs, self._run(plan), strict=True))
-        self.pos = PROMPT
+        self.pos = prompt_len
 
     def _run(self, seqs: list[ScheduledSeq]) -> list[int]:
         result = self.runner.execute(StepPlan(self.step_id, seqs))
@@ -84,21 +85,35 @@ class Decoder:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="GGUF path (default: the packaged SmolLM2)")
+    p.add_argument("--model", nargs="+", default=["smollm2"],
+                   help="GGUF paths or packaged short names (default: smollm2)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens of each sequence")
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
     p.add_argument("--activation-quantization", default="int8", choices=("none", "int8", "int16"))
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
-    if PROMPT + args.steps >= MAX_LEN:
-        p.error(f"--steps must be below {MAX_LEN - PROMPT}")
-    path = args.model or str(smollm2_path())
-    runner = runner_for(path, max(args.batch), args.quantization, args.activation_quantization)
-    first = 0
+    if args.prompt + args.steps >= MAX_LEN:
+        p.error(f"--prompt plus --steps must be below {MAX_LEN}")
+    for model in args.model:
+        path = str(resolve_short_name(model) or model)
+        runner = runner_for(path, max(args.batch), args.quantization, args.activation_quantization)
+        first = time_batches(runner, args)
+    if args.profile:  # the last model's
+        dec = Decoder(runner, 1, first, args.steps, args.prompt)
+        with cProfile.Profile() as prof:
+            for _ in range(args.steps):
+                dec.step()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def time_batches(runner: ModelRunner, args: argparse.Namespace) -> int:
+    """Prints one line per batch size; the next free sequence id."""
+    first, family = 0, runner.arch.family
     for batch in args.batch:
         t0 = time.perf_counter()
-        dec = Decoder(runner, batch, first, args.steps)
+        dec = Decoder(runner, batch, first, args.steps, args.prompt)
         prefill_s = time.perf_counter() - t0
         first += batch
         times = []
@@ -108,15 +123,10 @@ def main() -> None:
             times.append((time.perf_counter() - t0) * 1e3)
         dec.finish()
         ms = statistics.median(times)
-        print(f"batch {batch:3d}: prefill {batch * PROMPT} tokens {prefill_s * 1e3:7.1f} ms "
-              f"({batch * PROMPT / prefill_s:6.0f} tokens/s); decode {ms:7.2f} ms/step "
+        print(f"{family:7s} batch {batch:3d}: prefill {batch * args.prompt} tokens {prefill_s * 1e3:7.1f} ms "
+              f"({batch * args.prompt / prefill_s:6.0f} tokens/s); decode {ms:7.2f} ms/step "
               f"(min {min(times):.2f}), {batch * 1e3 / ms:7.1f} tokens/s")
-    if args.profile:
-        dec = Decoder(runner, 1, first, args.steps)
-        with cProfile.Profile() as prof:
-            for _ in range(args.steps):
-                dec.step()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return first
 
 
 if __name__ == "__main__":

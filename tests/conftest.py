@@ -1,14 +1,30 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from pypto_serving.app.packaged_models import PackagedModelMissing, smollm2_path
+# No GPU runs the tests: Triton kernels (the cuda backend's) run under Triton's interpreter. It
+# must be set before anything imports Triton (torch does, on first use of some ops): Triton's
+# own @jit helpers (tl.max, tl.sum) are made interpretable only then.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pypto_serving.app.packaged_models import PackagedModelMissing, gemma3_path, smollm2_path
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     try:
         return str(smollm2_path())
+    except PackagedModelMissing as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> str:
+    """The packaged Gemma 3 270M (Q4_K_M), joined from its four parts."""
+    try:
+        return str(gemma3_path())
     except PackagedModelMissing as exc:
         pytest.skip(str(exc))
 
@@ -28,6 +44,16 @@ def hf_smollm2(smollm2_gguf: str):
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf, gguf_file=smollm2_gguf,
                                                  dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_gguf: str):
+    """transformers' own load of the packaged Gemma 3 GGUF (fp32): the oracle (~30 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gemma3_gguf, gguf_file=gemma3_gguf, dtype=torch.float32)
     return model.eval()
 
 

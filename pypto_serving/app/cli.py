@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                    version=f"pypto-serving {importlib.metadata.version('pypto-serving')}")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF checkpoint directory, .gguf file or packaged model name (smollm2, "
-                        "qwen2.5-coder-0.5b)")
+                        "qwen2.5-coder-0.5b, gemma3-270m)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's id in /v1/models, responses and metric labels (default: the "
                         "model's name)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pypto_serving.app.packaged_models import PackagedModelMissing, resolve_short_name
+from pypto_serving.app.packaged_models import SHORT_NAMES, PackagedModelMissing, resolve_short_name
 from pypto_serving.loader.arch import ModelArch
 
 
@@ -38,7 +38,7 @@ def resolve_model(model: str) -> ModelSource:
         return _gguf_file(path, name)
     raise ModelSourceError(
         f"--model {model!r}: no such file or directory, and not a packaged model "
-        "(known short names: smollm2, qwen2.5-coder-0.5b)")
+        f"(known short names: {', '.join(SHORT_NAMES)})")
 
 
 def _hf_dir(path: Path, name: str) -> ModelSource:

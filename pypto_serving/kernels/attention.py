@@ -3,10 +3,15 @@
 Decode-like sequences (one query this step) run as one batched SDPA padded to the longest
 context; each multi-token chunk (prefill, possibly after a cached prefix) runs its own SDPA
 over its whole context, causal within the chunk. The metadata is built once per step.
+
+A sliding-window layer (Gemma 3) attends to the last `window` positions only, itself
+included (transformers' `kv_idx > q_idx - window`): `with_window` gives the step's metadata
+for such layers, once per step; the KV cache still holds every position.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +39,19 @@ class AttentionMetadata:
     prefills: tuple[PrefillSegment, ...]
     all_decode: bool  # every row is a single-query sequence, in order: no scatter needed
     decode_lens: torch.Tensor | None = None  # [Bd] context length of each single-query sequence
+    window: int = 0  # keys a query sees, itself included (0: all); decode_mask already has it
+
+
+def with_window(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """`meta` for a sliding-window layer: decode rows lose the keys older than the window
+    (prefill chunks apply it in their kernel)."""
+    if not window:
+        return meta
+    mask = meta.decode_mask
+    if mask is not None:
+        lens = mask.sum(dim=-1, keepdim=True)  # [Bd, 1, 1, 1]: real positions are 0 .. len - 1
+        mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= lens - window)
+    return dataclasses.replace(meta, decode_mask=mask, window=window)
 
 
 def paged_attention(
@@ -55,7 +73,7 @@ def paged_attention(
             return decode_attention(dq, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
     if prefill is None:
         def prefill(pq: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
-            return prefill_attention(pq, k_cache, v_cache, ctx_slots, scale)
+            return prefill_attention(pq, k_cache, v_cache, ctx_slots, scale, meta.window)
 
     if meta.all_decode:
         return decode(q)
@@ -96,8 +114,10 @@ def prefill_attention(
     v_cache: torch.Tensor,
     ctx_slots: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One chunk: q [q, H, d], the last q of its context slots [L] -> [q, H, d], causal.
+    """One chunk: q [q, H, d], the last q of its context slots [L] -> [q, H, d], causal
+    (and within `window` positions, when given).
 
     Blocks of PREFILL_BLOCK query rows, each against the keys up to its last row only, so the
     masked-out half of a causal square is never computed (CPU SDPA computes all of it and ran
@@ -115,30 +135,43 @@ def prefill_attention(
     for s in range(0, n_q, PREFILL_BLOCK):
         e = min(n_q, s + PREFILL_BLOCK)
         rows, seen = e - s, start + e
+        first = max(0, start + s - window + 1) if window else 0  # the block's oldest key
         qb = q[s:e].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(qb.reshape(kv_heads, group * rows, head_dim), keys[:, :, :seen])
-        scores = scores.view(kv_heads, group, rows, seen).float().mul_(scale)
+        scores = torch.matmul(qb.reshape(kv_heads, group * rows, head_dim), keys[:, :, first:seen])
+        scores = scores.view(kv_heads, group, rows, seen - first).float().mul_(scale)
         # only the block's own columns (its square on the diagonal) hold future keys
         future = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
-        scores[..., seen - rows :].masked_fill_(future, float("-inf"))
+        scores[..., seen - first - rows :].masked_fill_(future, float("-inf"))
+        if window:
+            scores.masked_fill_(_too_old(start + s, rows, first, seen, window, q.device), float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)
-        block = torch.matmul(probs.view(kv_heads, group * rows, seen), values[:, :seen])
+        block = torch.matmul(probs.view(kv_heads, group * rows, seen - first), values[:, first:seen])
         block = block.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
         out[s:e] = block.reshape(rows, heads, head_dim)
     return out
 
 
+def _too_old(first_query: int, rows: int, first_key: int, seen: int, window: int,
+             device: torch.device) -> torch.Tensor:
+    """[rows, seen - first_key] True where key position is window or more behind the query's."""
+    query_pos = torch.arange(first_query, first_query + rows, device=device).unsqueeze(1)
+    return torch.arange(first_key, seen, device=device) <= query_pos - window
+
+
 def sdpa_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           ctx_slots: torch.Tensor, scale: float) -> torch.Tensor:
+                           ctx_slots: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """`prefill_attention`'s contract through SDPA over the chunk's whole context."""
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     start = ctx_slots.shape[0] - q.shape[0]
     k = gather_kv(k_cache, ctx_slots).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)
     v = gather_kv(v_cache, ctx_slots).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)
     mask = None
-    if start:
+    if start or window:
         query_pos = torch.arange(start, ctx_slots.shape[0], device=q.device).unsqueeze(1)
-        mask = torch.arange(ctx_slots.shape[0], device=q.device) <= query_pos
+        key_pos = torch.arange(ctx_slots.shape[0], device=q.device)
+        mask = key_pos <= query_pos
+        if window:
+            mask &= key_pos > query_pos - window
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.transpose(0, 1)

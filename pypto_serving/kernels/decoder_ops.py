@@ -36,7 +36,7 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotar
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """As `attend`, with SDPA over each prefill chunk's whole context (the accelerators')."""
     def prefill(pq: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
-        return sdpa_prefill_attention(pq, kv[0], kv[1], ctx_slots, scale)
+        return sdpa_prefill_attention(pq, kv[0], kv[1], ctx_slots, scale, meta.window)
 
     q = _rotate_and_store(q, k, v, rotary, kv, meta)
     return paged_attention(q, kv[0], kv[1], meta, scale, prefill=prefill)

@@ -19,3 +19,10 @@ def add_rms_norm(
     """(rms_norm(x + residual), x + residual): the pre-norm block's residual stream."""
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled by (1 + weight), in float32, cast back last (as HF does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
@@ -36,4 +36,18 @@ class ModelArch(msgspec.Struct, frozen=True):
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None  # of the global layers, with sliding ones
+    # Gemma 3 (the defaults are every other family's):
+    sliding_layers: tuple[bool, ...] = ()  # per layer: attends to a sliding window only
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included
+    rope_local_theta: float = 0.0  # the sliding layers' rotary base (unscaled)
+    query_pre_attn_scalar: float = 0.0  # attention scale = this ** -0.5; 0: head_dim
+    final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int:
+        """The sliding window of layer `layer`; 0: it attends to the whole context."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0

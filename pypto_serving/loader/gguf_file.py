@@ -3,6 +3,8 @@ named float32 tensors, dequantized one at a time (gguf-py does the dequantizatio
 
 llama.cpp's converter permutes the Q and K rows of llama-family models so that rotary pairs
 sit next to each other (GPT-J style); we undo that so every family uses HF's rotate-half.
+For Gemma 3 it stores every RMSNorm weight plus one (llama.cpp multiplies by the weight, HF
+by 1 + weight); we subtract the one again, as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pypto_serving.loader.arch import ModelArch, RopeScaling
 from pypto_serving.loader.errors import UnsupportedModel
 from pypto_serving.loader.gguf_reader import GGUFFile, read_gguf
@@ -24,8 +28,13 @@ if TYPE_CHECKING:  # torch and numpy are heavy: the API process reads model shap
 
 __all__ = ["UnsupportedModel", "arch_from_gguf", "load_gguf_tensors"]
 
-_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF arch -> our family
+_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}  # GGUF arch -> ours
 _PERMUTED_FAMILIES = ("llama",)
+_NORM_PLUS_ONE_FAMILIES = ("gemma3",)
+# llama.cpp hard-codes Gemma 3's layout where the file does not say: every 6th layer global,
+# the sliding layers' rotary base 10000 (transformers' Gemma3TextConfig defaults agree).
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -43,6 +52,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 3 normalises before and after the attention and the MLP, each.
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Present in some files but not weights of the network: rotary tables the model recomputes.
@@ -62,10 +77,12 @@ def load_gguf_tensors(path: str | Path | GGUFFile, arch: ModelArch) -> Iterator[
     for name in gguf.tensors:
         if _IGNORED.fullmatch(name):
             continue
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, arch.family)
         values = gguf.dequantize(name)
         if arch.family in _PERMUTED_FAMILIES:
             values = _unpermute_rotary(name, values, arch)
+        if arch.family in _NORM_PLUS_ONE_FAMILIES and name.endswith("norm.weight"):
+            values = values - 1
         yield hf_name, torch.from_numpy(values)
 
 
@@ -79,7 +96,7 @@ def _arch(gguf: GGUFFile) -> ModelArch:
         )
     key = _MetadataKeys(meta, name)
     hidden, heads = key.as_int("embedding_length"), key.as_int("attention.head_count")
-    return ModelArch(
+    arch = ModelArch(
         family=family,
         vocab_size=_vocab_size(gguf, key),
         hidden_size=hidden,
@@ -93,8 +110,29 @@ def _arch(gguf: GGUFFile) -> ModelArch:
         max_position_embeddings=key.as_int("context_length"),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         rope_scaling=_rope_scaling(gguf, key),
+    )
+    return _gemma3_arch(arch, key) if family == "gemma3" else arch
+
+
+def _gemma3_arch(arch: ModelArch, key: _MetadataKeys) -> ModelArch:
+    """Sliding and global layers, the sliding layers' rotary base, soft-capping. The query
+    scale is head_dim ** -0.5, as llama.cpp has it for every Gemma 3 but the 27B."""
+    if key.get("attn_logit_softcapping"):
+        raise UnsupportedModel("GGUF attn_logit_softcapping is not supported; "
+                               "only final_logit_softcapping is")
+    pattern = key.get("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+    if not isinstance(pattern, int):
+        raise UnsupportedModel(f"GGUF {key.arch}.attention.sliding_window_pattern {pattern!r} is not "
+                               "supported; supported: one number n (every n-th layer global)")
+    return msgspec.structs.replace(
+        arch,
+        sliding_layers=tuple((i + 1) % pattern != 0 for i in range(arch.num_layers)),
+        sliding_window=key.as_int("attention.sliding_window"),
+        rope_local_theta=key.as_float("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA),
+        query_pre_attn_scalar=float(arch.head_dim),
+        final_logit_softcapping=key.as_float("final_logit_softcapping", 0.0),
     )
 
 
@@ -186,14 +224,20 @@ def _llama3_factors(s: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _hf_name(name: str) -> str:
+def layer_names(family: str) -> dict[str, str]:
+    """GGUF per-layer tensor names -> HF module names, for one family."""
+    return _GEMMA3_LAYER_NAMES if family == "gemma3" else _LAYER_NAMES
+
+
+def _hf_name(name: str, family: str = "llama") -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match[2] not in _LAYER_NAMES:
+    names = layer_names(family)
+    if match is None or match[2] not in names:
         raise UnsupportedModel(f"GGUF tensor {name!r} has no Hugging Face counterpart we know")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _unpermute_rotary(name: str, values: np.ndarray, arch: ModelArch) -> np.ndarray:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from safetensors import safe_open
 
 from pypto_serving.loader.arch import ModelArch, RopeScaling
@@ -20,8 +21,11 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+GEMMA3_ACTIVATION = "gelu_pytorch_tanh"
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -31,9 +35,9 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
 def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     """The ModelArch of a `config.json`; UnsupportedModel for anything we cannot run."""
     family = _family(config)
-    _check_supported_options(config)
+    _check_supported_options(config, family)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    return ModelArch(
+    arch = ModelArch(
         family=family,
         vocab_size=config["vocab_size"],
         hidden_size=hidden,
@@ -49,9 +53,10 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases and its config has no attention_bias key.
         attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
-        rope_scaling=_rope_scaling(config),
+        qk_norm=family in ("qwen3", "gemma3"),
+        rope_scaling=_rope_scaling(_global_rope_params(config, family)),
     )
+    return _gemma3_arch(arch, config) if family == "gemma3" else arch
 
 
 def _family(config: dict[str, Any]) -> str:
@@ -64,17 +69,56 @@ def _family(config: dict[str, Any]) -> str:
     raise UnsupportedModel(f"unsupported model architecture {found!r}; supported: {', '.join(ARCHITECTURES)}")
 
 
-def _check_supported_options(config: dict[str, Any]) -> None:
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModel(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+def _check_supported_options(config: dict[str, Any], family: str) -> None:
+    gemma = family == "gemma3"
+    key, supported = ("hidden_activation", GEMMA3_ACTIVATION) if gemma else ("hidden_act", "silu")
+    act = config.get(key, supported)
+    if act != supported:
+        raise UnsupportedModel(f"unsupported {key} {act!r} for {family}; only {supported!r} is supported")
     if config.get("mlp_bias"):
         raise UnsupportedModel("unsupported mlp_bias=true; only bias-free MLPs are supported")
+    if config.get("attn_logit_softcapping"):
+        raise UnsupportedModel("unsupported attn_logit_softcapping; only final_logit_softcapping is")
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedModel("unsupported use_bidirectional_attention=true; only causal attention is")
 
 
-def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
+def _gemma3_arch(arch: ModelArch, config: dict[str, Any]) -> ModelArch:
+    """Sliding and global layers, their two rotary bases, the query scale, soft-capping."""
+    types = config.get("layer_types") or _gemma3_layer_types(config, arch.num_layers)
+    local = _rope_params_of(config, "sliding_attention")
+    if (local.get("rope_type") or "default") != "default":
+        raise UnsupportedModel(f"unsupported rope type {local['rope_type']!r} for sliding layers; "
+                               "supported: default")
+    return msgspec.structs.replace(
+        arch,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),  # Gemma 3's default
+        sliding_layers=tuple(t == "sliding_attention" for t in types),
+        sliding_window=int(config.get("sliding_window") or 0),
+        rope_theta=_rope_theta(_rope_params_of(config, "full_attention") or config),
+        rope_local_theta=float(local.get("rope_theta") or config.get("rope_local_base_freq") or 10000.0),
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or arch.head_dim),
+        final_logit_softcapping=float(config.get("final_logit_softcapping") or 0.0),
+    )
+
+
+def _gemma3_layer_types(config: dict[str, Any], layers: int) -> list[str]:
+    # Configs before `layer_types`: every n-th layer is global.
+    n = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+    return ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers)]
+
+
+def _rope_params_of(config: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """transformers 5 writes Gemma 3's rope_parameters per layer type."""
+    params = config.get("rope_parameters") or {}
+    return params.get(layer_type) or {}
+
+
+def _global_rope_params(config: dict[str, Any], family: str) -> dict[str, Any]:
     # transformers 5 writes "rope_parameters" (theta inside); older configs use
     # top-level "rope_theta" and "rope_scaling".
+    if family == "gemma3" and (per_type := _rope_params_of(config, "full_attention")):
+        return per_type
     return config.get("rope_scaling") or config.get("rope_parameters") or {}
 
 
@@ -83,8 +127,7 @@ def _rope_theta(config: dict[str, Any]) -> float:
     return float(theta or 10000.0)
 
 
-def _rope_scaling(config: dict[str, Any]) -> RopeScaling | None:
-    params = _rope_params(config)
+def _rope_scaling(params: dict[str, Any]) -> RopeScaling | None:
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return None

@@ -1,4 +1,5 @@
-"""Model families and how to build them; all three families share `llama.LlamaForCausalLM`."""
+"""Model families and how to build them: Llama, Qwen2 and Qwen3 share `llama.LlamaForCausalLM`;
+Gemma 3 is `gemma3.Gemma3ForCausalLM`."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import torch
 
 from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq
 from pypto_serving.loader.arch import FAMILIES, ModelArch
+from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import LayerFactory
 from pypto_serving.models.weights import load_weights
 from pypto_serving.parallel.sharding import SINGLE, TensorParallel
+
+CausalLM = LlamaForCausalLM | Gemma3ForCausalLM
 
 
 def build_model(
@@ -19,7 +23,7 @@ def build_model(
     max_positions: int = 0,
     layers: LayerFactory | None = None,
     tp: TensorParallel = SINGLE,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """An uninitialised model on `device` (fill it with `load_weights`).
 
     `max_positions` sizes the rotary cache; 0 means the model's max_position_embeddings.
@@ -29,11 +33,15 @@ def build_model(
     if arch.family not in FAMILIES:
         raise ValueError(f"unknown model family {arch.family!r}; known: {', '.join(FAMILIES)}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, layers, tp)
+        model = (Gemma3ForCausalLM if arch.family == "gemma3" else LlamaForCausalLM)(arch, layers, tp)
     # Built on meta, so no time or memory goes into a random init that loading overwrites.
     model = _materialize(model.to(dtype), torch.device(device)).eval().requires_grad_(False)
+    positions = max_positions or arch.max_position_embeddings
     inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
-    model.rope = rope_cache(inv_freq, max_positions or arch.max_position_embeddings).to(device)
+    model.rope = rope_cache(inv_freq, positions).to(device)
+    if arch.sliding_window:  # the sliding layers' own base, unscaled
+        local = rope_inv_freq(arch.head_dim, arch.rope_local_theta, None)
+        model.rope_local = rope_cache(local, positions).to(device)
     return model
 
 
@@ -51,4 +59,4 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return model
 
 
-__all__ = ["LayerFactory", "LlamaForCausalLM", "build_model", "load_weights"]
+__all__ = ["CausalLM", "Gemma3ForCausalLM", "LayerFactory", "LlamaForCausalLM", "build_model", "load_weights"]

@@ -13,6 +13,7 @@ from pypto_serving.kernels.attention import (
     paged_attention,
     prefill_attention,
     sdpa_prefill_attention,
+    with_window,
 )
 from pypto_serving.kernels.paged_kv import context_slots, gather_kv, slots_of_positions, write_kv
 from pypto_serving.messages.worker import ScheduledSeq
@@ -28,13 +29,18 @@ def empty_cache() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(shape), torch.zeros(shape)
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """q [q, H, d] at positions start.., k/v [L, kv_heads, d] dense -> [q, H, d]."""
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                    window: int = 0) -> torch.Tensor:
+    """q [q, H, d] at positions start.., k/v [L, kv_heads, d] dense -> [q, H, d]; with a
+    window, a query sees the `window` positions up to its own."""
     group = HEADS // KV_HEADS
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM)
     query_pos = torch.arange(start, start + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
+    key_pos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    if window:
+        scores = scores.masked_fill(key_pos <= query_pos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -67,8 +73,9 @@ def test_decode_attention_matches_dense() -> None:
         torch.testing.assert_close(out[row : row + 1], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 5, 200])  # none, shorter than a block of rows, longer
 @pytest.mark.parametrize("start, n", [(0, 7), (6, 7), (0, 150), (20, 130)])  # > 128 rows: 2 blocks
-def test_prefill_attention_with_and_without_prefix(start: int, n: int) -> None:
+def test_prefill_attention_with_and_without_prefix(start: int, n: int, window: int) -> None:
     k_cache, v_cache = empty_cache()
     length = start + n
     table = torch.randperm(NUM_BLOCKS)[: -(-length // BLOCK)].unsqueeze(0)
@@ -76,10 +83,10 @@ def test_prefill_attention_with_and_without_prefix(start: int, n: int) -> None:
     slots = context_slots(table, BLOCK, length)[0]
     write_kv(k_cache, v_cache, k, v, slots)
     q = torch.randn(n, HEADS, DIM)
-    want = naive_attention(q, k, v, start)
+    want = naive_attention(q, k, v, start, window)
     # the CPU's blocked kernel, and the accelerators' SDPA variant run here on CPU tensors
     for kernel in (prefill_attention, sdpa_prefill_attention):
-        out = kernel(q, k_cache, v_cache, slots, SCALE)
+        out = kernel(q, k_cache, v_cache, slots, SCALE, window)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
@@ -90,7 +97,8 @@ def test_prefill_attention_with_and_without_prefix(start: int, n: int) -> None:
         [(3, 1), (17, 1), (0, 1)],  # decodes only: one batched SDPA, no scatter
     ],
 )
-def test_flattened_batch_through_prepare_matches_dense(shapes: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize("window", [0, 3])
+def test_flattened_batch_through_prepare_matches_dense(shapes: list[tuple[int, int]], window: int) -> None:
     k_cache, v_cache = empty_cache()
     blocks = torch.randperm(NUM_BLOCKS).tolist()
     seqs, states, dense = [], [], []
@@ -107,10 +115,10 @@ def test_flattened_batch_through_prepare_matches_dense(shapes: list[tuple[int, i
     step_v = torch.cat([v[s:] for (s, _), (_, v) in zip(shapes, dense, strict=True)])
     write_kv(k_cache, v_cache, step_k, step_v, batch.attn.slot_mapping)
     q = torch.randn(len(step_k), HEADS, DIM)
-    out = paged_attention(q, k_cache, v_cache, batch.attn, SCALE)
+    out = paged_attention(q, k_cache, v_cache, with_window(batch.attn, window), SCALE)
     row = 0
     for (start, n), (k, v) in zip(shapes, dense, strict=True):
-        ref = naive_attention(q[row : row + n], k, v, start)
+        ref = naive_attention(q[row : row + n], k, v, start, window)
         torch.testing.assert_close(out[row : row + n], ref, atol=1e-5, rtol=1e-5)
         row += n
     assert batch.attn.all_decode == all(n == 1 for _, n in shapes)

@@ -130,7 +130,48 @@ def test_qwen_coder_arch(qwen_arch: ModelArch) -> None:
     )
 
 
+def test_gemma3_arch(gemma3_gguf: str) -> None:
+    """Every 6th layer global, the sliding layers' base 10000: llama.cpp's and transformers'
+    defaults for what the file does not say."""
+    sliding = tuple(i % 6 != 5 for i in range(18))
+    assert arch_from_gguf(gemma3_gguf) == ModelArch(
+        family="gemma3",
+        vocab_size=262144,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_layers=18,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+        sliding_layers=sliding,
+        sliding_window=512,
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=256.0,
+    )
+
+
 # --- the packaged models: weights against transformers -----------------------------------
+
+
+def test_gemma3_weights_equal_transformers(gemma3_gguf: str, hf_gemma3) -> None:
+    """Every tensor, norms less llama.cpp's + 1, and the config transformers derives agrees."""
+    arch = arch_from_gguf(gemma3_gguf)
+    config = hf_gemma3.config
+    assert [t == "sliding_attention" for t in config.layer_types] == list(arch.sliding_layers)
+    assert config.sliding_window == arch.sliding_window and config.query_pre_attn_scalar == arch.head_dim
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == arch.rope_local_theta
+    assert config.final_logit_softcapping is None and config.attn_logit_softcapping is None
+    expected = hf_gemma3.state_dict()
+    ours = dict(load_gguf_tensors(gemma3_gguf, arch))
+    assert set(ours) == set(expected) - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, expected[name]), name
 
 
 def test_smollm2_weights_equal_transformers(smollm2_arch: ModelArch, hf_smollm2) -> None:
@@ -259,8 +300,30 @@ def test_qwen3_arch_has_qk_norm_and_names_its_norms(tmp_path: Path) -> None:
 
 def test_unknown_architecture_is_rejected_with_supported_list(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "g.gguf", {}, arch="gpt2")
-    with pytest.raises(UnsupportedModel, match=r"'gpt2'.*llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModel) as info:
         arch_from_gguf(path)
+    message = "GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3, gemma3"
+    assert str(info.value) == message
+
+
+def test_gemma3_norms_lose_llama_cpps_plus_one_and_get_hf_names(tmp_path: Path) -> None:
+    """llama.cpp stores Gemma's norm weights + 1 and names its four norms its own way."""
+    norm = np.linspace(0.5, 2.0, HIDDEN, dtype=np.float32)
+    tensors = {f"blk.0.{n}.weight": (norm, Q.F32) for n in ("attn_norm", "post_attention_norm", "ffn_norm",
+                                                             "post_ffw_norm")}
+    tensors["blk.0.ffn_up.weight"] = (random_weights(FFN, HIDDEN), Q.F32)
+    path = write_gguf(tmp_path / "g.gguf", tensors, arch="gemma3",
+                      metadata={"attention.sliding_window": 4, "attention.key_length": 32})
+    arch = arch_from_gguf(path)
+    assert (arch.family, arch.head_dim, arch.sliding_window) == ("gemma3", 32, 4)
+    assert arch.sliding_layers == (True,)
+    loaded = dict(load_gguf_tensors(path, arch))
+    hf_norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+    assert list(loaded) == [f"model.layers.0.{n}.weight" for n in (*hf_norms, "mlp.up_proj")]
+    assert torch.equal(loaded["model.layers.0.input_layernorm.weight"], torch.from_numpy(norm - 1))
+    up = tensors["blk.0.ffn_up.weight"][0]
+    assert torch.equal(loaded["model.layers.0.mlp.up_proj.weight"], torch.from_numpy(up))
 
 
 def test_tensor_type_gguf_py_cannot_dequantize_names_tensor_and_type(tmp_path: Path) -> None:

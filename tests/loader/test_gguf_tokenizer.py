@@ -94,6 +94,25 @@ def test_chat_markers_are_single_ids_and_tool_tags_survive_decoding() -> None:
     assert data.tokenizer.decode(ids) == "assistant\n<tool_call>{}</tool_call>"
 
 
+# --- the packaged Gemma 3: a real SentencePiece ("llama") vocabulary of 262k pieces ------------
+
+
+def test_gemma3_encodes_and_decodes_as_transformers(gemma3_gguf: str) -> None:
+    from transformers import AutoTokenizer
+
+    path = Path(gemma3_gguf)
+    ours = read_gguf_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    turn = "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    for text in [*TEXTS, turn]:
+        ids = theirs.encode(text)
+        assert ours.tokenizer.encode(text).ids == ids, text
+        assert ours.tokenizer.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
+    assert ours.tokenizer.encode(turn, add_special_tokens=False).ids[0] == theirs.convert_tokens_to_ids(
+        "<start_of_turn>")
+    assert ours.chat_template is None  # a base model: its GGUF carries no template
+
+
 # --- a SentencePiece ("llama") vocabulary -------------------------------------------------
 
 CORPUS = [

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pypto_serving.loader.arch import RopeScaling
 from pypto_serving.loader.errors import UnsupportedModel
@@ -78,10 +78,49 @@ def test_model_type_is_the_fallback_for_missing_architectures() -> None:
     assert arch_from_hf_config(config).family == "qwen2"
 
 
-def test_unsupported_architecture_names_it_and_the_supported_ones() -> None:
-    config = {**SMALL, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
-    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+@pytest.mark.parametrize("architecture, model_type", [
+    ("GPT2LMHeadModel", "gpt2"),
+    ("Gemma3ForConditionalGeneration", "gemma3"),  # the multimodal checkpoint: not its text part
+])
+def test_unsupported_architecture_names_it_and_the_supported_ones(architecture: str, model_type: str) -> None:
+    config = {**SMALL, "architectures": [architecture], "model_type": model_type}
+    with pytest.raises(UnsupportedModel) as info:
         arch_from_hf_config(config)
+    message = str(info.value)
+    assert message == (f"unsupported model architecture ['{architecture}']; supported: LlamaForCausalLM, "
+                       "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM")
+
+
+def test_gemma3_config() -> None:
+    config = Gemma3TextConfig(**SMALL | dict(num_hidden_layers=7), head_dim=32, sliding_window=16,
+                              query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                              architectures=["Gemma3ForCausalLM"])
+    arch = arch_from_hf_config(config.to_dict())
+    assert (arch.family, arch.head_dim, arch.qk_norm, arch.tie_word_embeddings) == ("gemma3", 32, True, True)
+    assert arch.sliding_layers == (True,) * 5 + (False, True)  # every 6th layer global
+    assert (arch.window(0), arch.window(5), arch.sliding_window) == (16, 0, 16)
+    assert (arch.rope_theta, arch.rope_local_theta, arch.rope_scaling) == (1e6, 1e4, None)
+    assert arch.attention_scale == 24**-0.5 and arch.final_logit_softcapping == 30.0
+
+
+def test_gemma3_config_before_transformers5() -> None:
+    """rope_theta / rope_local_base_freq / rope_scaling and a sliding_window_pattern."""
+    config = {**SMALL, "model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window_pattern": 2,
+              "sliding_window": 8, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    arch = arch_from_hf_config(config)
+    assert arch.sliding_layers == (True, False, True, False) and arch.attention_scale == 16**-0.5
+    assert (arch.rope_theta, arch.rope_local_theta) == (1e6, 1e4)
+    assert arch.rope_scaling == RopeScaling("linear", 8.0)  # of the global layers only
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"hidden_activation": "relu"}, "'relu'"),
+])
+def test_unsupported_gemma3_options_are_named(extra: dict, named: str) -> None:
+    with pytest.raises(UnsupportedModel, match=named):
+        arch_from_hf_config({**SMALL, "model_type": "gemma3_text", **extra})
 
 
 def test_unsupported_rope_scaling_is_named() -> None:

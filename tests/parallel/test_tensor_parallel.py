@@ -29,7 +29,7 @@ from pypto_serving.messages.worker import (
     StepResult,
     WorkerConfig,
 )
-from tests.worker.tiny_models import BLOCK_SIZE, COMMON, worker_config
+from tests.worker.tiny_models import BLOCK_SIZE, COMMON, build_hf_model, worker_config
 
 PROMPTS = [[3, 17, 42, 99, 7, 1, 200, 5], [11, 250, 9, 64, 33]]
 NEW_TOKENS = 12
@@ -53,7 +53,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # 6 heads and 1 KV head: tp=3 splits the heads and replicates the KV head on every rank
         "llama_6_heads": _tiny(root / "llama6", "Llama", hidden_size=96, num_attention_heads=6,
                                num_key_value_heads=1, intermediate_size=192),
+        "gemma3": _saved(build_hf_model("gemma3"), root / "gemma3"),  # sliding window 5, tied
     }
+
+
+def _saved(model: torch.nn.Module, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
 
 
 def group_config(path: Path, tp: int, **overrides: object) -> WorkerConfig:
@@ -105,6 +111,7 @@ async def decode(cfg: WorkerConfig, n: int = NEW_TOKENS) -> tuple[list[list[int]
     ("qwen3", 2, "none"),
     ("llama_6_heads", 3, "none"),
     ("llama", 2, "int4"),
+    ("gemma3", 2, "none"),
 ])
 def test_tensor_parallel_ranks_give_the_tokens_of_one(checkpoints: dict[str, Path], name: str, tp: int,
                                                       quantization: str):

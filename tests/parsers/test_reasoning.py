@@ -83,6 +83,7 @@ def parse_with(parser: ThinkParser, reply: str) -> tuple[str, str]:
 def test_parser_selection_by_family_and_name():
     assert reasoning_parser_for("qwen3").name == "qwen3"
     assert reasoning_parser_for("qwen2") is None and reasoning_parser_for("llama") is None
+    assert reasoning_parser_for("gemma3") is None
     assert reasoning_parser_for("qwen3", "none") is None
     assert reasoning_parser_for("qwen2", "qwen3").name == "qwen3"
     with pytest.raises(ValueError, match="--reasoning-parser.*'r2'.*deepseek_r1"):

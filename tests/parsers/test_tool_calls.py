@@ -178,6 +178,7 @@ def test_arguments_stream_as_they_arrive():
 def test_parser_selection_by_family_and_name():
     assert tool_parser_for("qwen2") is HermesToolParser and tool_parser_for("qwen3") is HermesToolParser
     assert tool_parser_for("llama") is None and tool_parser_for("qwen2", "none") is None
+    assert tool_parser_for("gemma3") is None and tool_parser_name("gemma3") == "none"
     assert tool_parser_for("llama", "qwen") is HermesToolParser
     assert tool_parser_name("qwen2") == "hermes" and tool_parser_name("llama", "qwen") == "qwen"
     with pytest.raises(ValueError, match="--tool-call-parser.*'mistral'.*hermes"):

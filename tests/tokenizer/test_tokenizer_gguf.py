@@ -141,3 +141,40 @@ def test_enable_thinking_style_kwargs_reach_a_real_template(qwen: Tokenizer) -> 
     # Qwen2.5's template ignores unknown kwargs: rendering must still succeed and be unchanged.
     messages = CONVERSATIONS["user only"]
     assert qwen.apply_chat_template(messages, enable_thinking=False) == qwen.apply_chat_template(messages)
+
+
+# --- Gemma 3 270M: a base model, no template in its GGUF; Gemma's turn format given by hand ----
+
+# Gemma's turn markup, written here (the shape of Gemma's own: "assistant" is "model", the roles
+# must alternate, and a system message has no turn of its own but opens the first user turn).
+GEMMA_TURNS = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% if messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] + '\\n\\n' %}"
+    "{% set messages = messages[1:] %}{% endif %}"
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ (ns.system if loop.first else '') + m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_gemma3_has_no_template_and_renders_gemma_turns_as_transformers(gemma3_gguf: str) -> None:
+    from transformers import AutoTokenizer
+
+    from pypto_serving.tokenizer.chat_template import ChatTemplateError
+
+    path = Path(gemma3_gguf)
+    ours = Tokenizer.from_gguf(path)
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert ours.chat_template is None and theirs.chat_template is None
+    with pytest.raises(ChatTemplateError):
+        ours.apply_chat_template(CONVERSATIONS["user only"])
+    for name, messages in CONVERSATIONS.items():
+        text = ours.apply_chat_template(messages, chat_template=GEMMA_TURNS)
+        assert text == theirs.apply_chat_template(messages, chat_template=GEMMA_TURNS, tokenize=False,
+                                                  add_generation_prompt=True), name
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    with pytest.raises(ChatTemplateError, match="must alternate"):
+        ours.apply_chat_template([{"role": "assistant", "content": "hi"}], chat_template=GEMMA_TURNS)
+    assert ours.token_to_id("<end_of_turn>") in ours.eos_token_ids  # a chat reply ends at its turn's end

@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
@@ -17,7 +16,7 @@ from pypto_serving.kernels.decoder_ops import PORTABLE  # noqa: E402
 from tests.worker.test_decoder_stack import steps_of_every_kind  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="Triton imported without its interpreter; no GPU here")
+                                reason="Triton without its interpreter (tests/conftest.py); no GPU here")
 
 
 def test_the_cuda_backends_decoder_ops_run_a_model_as_the_portable_ones_do(driver, monkeypatch):

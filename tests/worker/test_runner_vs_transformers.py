@@ -99,3 +99,57 @@ def test_bfloat16_logits_close_to_transformers_bfloat16(driver) -> None:
     ref = Oracle(copy.deepcopy(o.hf).to(torch.bfloat16)).logits(d.tokens[1])
     first = len(PROMPT) - 1
     torch.testing.assert_close(torch.stack(rows), ref[first : first + 4], atol=0.05, rtol=0)
+
+
+# --- Gemma 3: sliding-window layers (window 5) between a global one --------------------------
+
+LONG_PROMPT = (PROMPT * 2)[:23]  # 4.6 windows
+
+
+def test_gemma3_chunked_prefill_across_the_window(driver) -> None:
+    """Chunks shorter and longer than the window, after a cached prefix that is longer too."""
+    d, o = driver("gemma3")
+    d.step([d.add(1, LONG_PROMPT, chunk=3)])
+    d.step([d.next(1, 7)])
+    d.step([d.next(1, 2)])
+    rows = [d.step([d.next(1, 11)])[1][0]]
+    rows += decode(d, 1, 9)
+    assert d.tokens[1][len(LONG_PROMPT) :] == o.greedy(LONG_PROMPT, 10)
+    assert_logits_match(o, d.tokens[1], rows, len(LONG_PROMPT) - 1)
+
+
+def test_gemma3_mixed_batch_and_prefix_hit(driver) -> None:
+    """Decode rows (windowed masks) and prefill chunks in one step; a prefix-cache hit."""
+    d, o = driver("gemma3_softcap")
+    first = LONG_PROMPT[:16]
+    prefilled = d.step([d.add(1, first, chunk=16)])[1][0]
+    second = first[:12] + [9, 8, 7, 6, 5, 4, 3]
+    hit = d.add(2, second, chunk=7, shared_blocks=d.blocks[1][:3])
+    _, logits = d.step([d.next(1), hit, d.add(3, PROMPT[:4], chunk=4)])
+    rows = {1: [prefilled, logits[0]], 2: [logits[1]], 3: [logits[2]]}
+    for _ in range(6):
+        _, logits = d.step([d.next(3), d.next(1), d.next(2)])
+        for i, seq_id in enumerate((3, 1, 2)):
+            rows[seq_id].append(logits[i])
+    for seq_id, prompt in {1: first, 2: second, 3: PROMPT[:4]}.items():
+        assert d.tokens[seq_id][len(prompt) :] == o.greedy(prompt, len(rows[seq_id]))
+        assert_logits_match(o, d.tokens[seq_id], rows[seq_id], len(prompt) - 1)
+
+
+def test_gemma3_bfloat16_logits_close_to_transformers_bfloat16(driver) -> None:
+    d, o = driver("gemma3", dtype="bfloat16")
+    rows = [d.step([d.add(1, LONG_PROMPT, chunk=len(LONG_PROMPT))])[1][0]]
+    rows += decode(d, 1, 3)
+    ref = Oracle(copy.deepcopy(o.hf).to(torch.bfloat16)).logits(d.tokens[1])
+    first = len(LONG_PROMPT) - 1
+    torch.testing.assert_close(torch.stack(rows), ref[first : first + 4], atol=0.05, rtol=0)
+
+
+def test_gemma3_packed_weights_stay_close_to_transformers(driver) -> None:
+    """int8 weights (the cpu backend's packed path: C matmuls, portable norms and attention)."""
+    d, o = driver("gemma3", quantization="int8")
+    rows = [d.step([d.add(1, LONG_PROMPT, chunk=len(LONG_PROMPT))])[1][0]]
+    rows += decode(d, 1, 5)
+    ref = o.logits(d.tokens[1])[len(LONG_PROMPT) - 1 :][:6]
+    diff = (torch.stack(rows) - ref).abs()
+    assert 1e-6 < diff.max() < 0.03 * (ref.max() - ref.min())

@@ -50,20 +50,45 @@ LLAMA3_ROPE = dict(
     high_freq_factor=4.0,
     original_max_position_embeddings=16,  # small, so scaling matters at our positions
 )
+GEMMA3_WINDOW = 5  # shorter than the test prompts, so the window matters
+GEMMA3 = dict(
+    num_hidden_layers=3,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    sliding_window=GEMMA3_WINDOW,
+    head_dim=32,
+    query_pre_attn_scalar=24,  # the query scale is not head_dim's
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 100000.0}},
+    pad_token_id=0,
+)
 CHECKPOINTS: dict[str, tuple[str, dict]] = {
     "llama": ("Llama", {}),
     "llama_rope_llama3": ("Llama", dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2_tied": ("Qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3", dict(head_dim=32)),  # head_dim != hidden / heads
     "qwen3_wide": ("Qwen3", dict(head_dim=128)),  # Qwen3-8B's and -14B's head width
+    "gemma3": ("Gemma3", GEMMA3),  # tied embeddings (Gemma 3's default)
+    "gemma3_softcap": ("Gemma3", dict(GEMMA3, final_logit_softcapping=3.0, tie_word_embeddings=False)),
 }
+CONFIG_CLASSES = {"Gemma3": "Gemma3TextConfig"}
 
 
 def build_hf_model(name: str) -> torch.nn.Module:
     prefix, extra = CHECKPOINTS[name]
-    config = getattr(transformers, f"{prefix}Config")(**COMMON, **extra)
+    config = getattr(transformers, CONFIG_CLASSES.get(prefix, f"{prefix}Config"))(**(COMMON | extra))
     torch.manual_seed(0)
-    return getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+    if prefix == "Gemma3":
+        _randomize_norms(model)
+    return model
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    """Gemma initialises its norms to zero (a scale of 1 + 0): random ones test the 1 +."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
 
 
 def worker_config(model: Path | ModelConfig, **overrides: object) -> WorkerConfig:

@@ -146,7 +146,8 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary
     width = (q.shape[1] + 2 * k.shape[1]) * q.shape[2]
     qkv = torch.as_strided(q, (q.shape[0], width), (width, 1))
     rope_write_kv_cpu(qkv, q.shape[1], k.shape[1], *rotary, meta.slot_mapping, *kv)
-    if q.shape[2] > MAX_HEAD_DIM:  # the C attention keeps 8 keys of at most that on the stack
+    # The C attention keeps 8 keys of at most MAX_HEAD_DIM floats on the stack, and sees every key.
+    if q.shape[2] > MAX_HEAD_DIM or meta.window:
         return paged_attention(q, kv[0], kv[1], meta, scale)
 
     def decode(dq: torch.Tensor) -> torch.Tensor:

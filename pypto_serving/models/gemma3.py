@@ -1,0 +1,147 @@
+"""Gemma 3 text decoder, over the same flattened varlen tokens and paged KV as llama.py.
+
+What differs from Llama: RMSNorm scales by (1 + weight); each block normalises the attention
+and the MLP outputs too (four norms a layer, no fused residual add); q/k RMSNorm; GELU-tanh
+GeGLU; embeddings scaled by sqrt(hidden) in the model dtype; a query scale from
+`query_pre_attn_scalar`; sliding-window layers (their own rotary base) between global ones;
+optional final-logit soft-capping. Module names follow Hugging Face's but for the fused
+`qkv_proj` and `gate_up_proj`; tensor parallelism splits the model as llama.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pypto_serving.kernels.activation import gelu_tanh_and_mul
+from pypto_serving.kernels.attention import AttentionMetadata, with_window
+from pypto_serving.kernels.rmsnorm import gemma_rms_norm
+from pypto_serving.kernels.rotary import rotary_cos_sin
+from pypto_serving.loader.arch import ModelArch
+from pypto_serving.models.llama import KVCache, Rotary
+from pypto_serving.models.quant import LayerFactory, QuantEmbedding
+from pypto_serving.parallel.sharding import SINGLE, TensorParallel
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))  # HF's: the scale is 1 + weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.heads, self.kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.sizes = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
+        self.qkv_proj = make.linear(arch.hidden_size, sum(self.sizes), bias=arch.attention_bias)
+        self.o_proj = make.linear(self.heads * self.head_dim, arch.hidden_size)
+        self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.ops = make.decoder_ops()
+        self.scale = arch.attention_scale
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, heads * head_dim], ...
+        q = self.q_norm(q.view(tokens, self.heads, self.head_dim))
+        k = self.k_norm(k.view(tokens, self.kv_heads, self.head_dim))
+        v = v.view(tokens, self.kv_heads, self.head_dim)
+        out = self.ops.attend(q, k, v, rotary, kv, meta, self.scale)  # [T, heads, d]
+        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.heads * self.head_dim)))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.gate_up_proj = make.linear(arch.hidden_size, 2 * arch.intermediate_size)
+        self.down_proj = make.linear(arch.intermediate_size, arch.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.window = arch.window(layer)  # 0: a global layer
+        self.self_attn = Gemma3Attention(arch, make, tp)
+        self.mlp = Gemma3MLP(arch, make, tp)
+        norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm")
+        for name in norm_names:
+            setattr(self, name, GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps))
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rotary` and `meta` are this layer's kind's."""
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, kv, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.embed_tokens = make.embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i, make, tp) for i in range(arch.num_layers))
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, make: LayerFactory | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        make = make or LayerFactory()
+        self.arch, self.tp = arch, tp  # the whole model's shape; this rank's part of it
+        self.local_arch = local = tp.local_arch(arch)
+        self.model = Gemma3Model(local, make, tp)
+        if not arch.tie_word_embeddings:
+            self.lm_head = make.linear(arch.hidden_size, local.vocab_size, head=True)
+        # [max_positions, 2, head_dim / 2] float32 cos/sin of the global and the sliding
+        # layers, filled by build_model.
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.register_buffer("rope_local", torch.empty(0), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        h = self.tp.embed(self._scaled_embedding, input_ids, self.arch)
+        # once per step, not per layer: each kind of layer's rotary and attention metadata
+        rotary = {0: rotary_cos_sin(self.rope, positions, h.dtype)}
+        metas = {0: meta}
+        if self.arch.sliding_window:
+            rotary[self.arch.sliding_window] = rotary_cos_sin(self.rope_local, positions, h.dtype)
+            metas[self.arch.sliding_window] = with_window(meta, self.arch.sliding_window)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, rotary[layer.window], kv, metas[layer.window])
+        return self.model.norm(h)
+
+    def _scaled_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(ids)
+        # sqrt(hidden) rounded to float32, then to the model dtype, as HF has it
+        return h * torch.tensor(self.arch.hidden_size**0.5).to(h.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks), soft-capped."""
+        logits = self.tp.logits(self._local_logits(hidden), self.arch)
+        cap = self.arch.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        embed = self.model.embed_tokens
+        if self.arch.tie_word_embeddings and isinstance(embed, QuantEmbedding):
+            return embed.as_linear(hidden)
+        if self.arch.tie_word_embeddings:
+            return F.linear(hidden, embed.weight)
+        return self.lm_head(hidden)
