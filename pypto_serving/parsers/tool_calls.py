@@ -315,7 +315,7 @@ class HermesToolParser:
 
 TOOL_PARSERS: dict[str, Callable[..., ToolParser]] = {"hermes": HermesToolParser, "qwen": HermesToolParser}
 TOOL_PARSER_NAMES = ("none", *TOOL_PARSERS)
-_FAMILY_DEFAULTS = {"qwen2": "hermes", "qwen3": "hermes"}
+_FAMILY_DEFAULTS = {"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes"}
 
 
 def tool_parser_name(family: str, name: str | None = None) -> str:
