@@ -9,7 +9,7 @@ tensors alive), then runs each step, decode rows and prefill chunks in any mix, 
 The kernels and their order are those of the per-layer path, so the hidden states are the
 same bit for bit (tests/worker check it).
 Used only where that path would use the same fused kernels: packed weights whose widths fill
-whole panels, no q/k norms (Qwen3), head_dim <= 64. With int8 activations
+whole panels, no q/k norms (Qwen3), no experts (MoE), head_dim <= 64. With int8 activations
 (`--activation-quantization`) the stack's linears are qdot.c's, as in that path.
 """
 
@@ -153,6 +153,8 @@ class DecoderStack:
         from pypto_serving.kernels import cpu
 
         arch = model.arch
+        if arch.num_experts:  # stack.c knows dense MLPs only
+            return None
         linears = [m for layer in model.model.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
