@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # torch and numpy are heavy: the API process reads model shap
 
 __all__ = ["UnsupportedModel", "arch_from_gguf", "load_gguf_tensors"]
 
-_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF arch -> our family
+# GGUF arch -> our family
+_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 _PERMUTED_FAMILIES = ("llama",)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,6 +44,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, and each projection of every expert as one 3-D tensor
+    # [experts, rows, cols] (models/weights.py splits them)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Present in some files but not weights of the network: rotary tables the model recomputes.
@@ -79,11 +86,12 @@ def _arch(gguf: GGUFFile) -> ModelArch:
         )
     key = _MetadataKeys(meta, name)
     hidden, heads = key.as_int("embedding_length"), key.as_int("attention.head_count")
+    experts = _experts(key)
     return ModelArch(
         family=family,
         vocab_size=_vocab_size(gguf, key),
         hidden_size=hidden,
-        intermediate_size=key.as_int("feed_forward_length"),
+        intermediate_size=key.as_int("feed_forward_length", 0 if experts else None),
         num_layers=key.as_int("block_count"),
         num_heads=heads,
         num_kv_heads=key.as_int("attention.head_count_kv", heads),
@@ -93,9 +101,21 @@ def _arch(gguf: GGUFFile) -> ModelArch:
         max_position_embeddings=key.as_int("context_length"),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         rope_scaling=_rope_scaling(gguf, key),
+        **experts,
     )
+
+
+def _experts(key: _MetadataKeys) -> dict[str, object]:
+    """The ModelArch fields of a mixture of experts (none for a dense model). llama.cpp's
+    qwen3moe makes every layer MoE and always renormalizes the top-k weights."""
+    if not key.get("expert_count"):
+        return {}
+    layers = key.as_int("block_count")
+    return dict(num_experts=key.as_int("expert_count"), num_experts_per_tok=key.as_int("expert_used_count"),
+                moe_intermediate_size=key.as_int("expert_feed_forward_length"), norm_topk_prob=True,
+                moe_layers=tuple(range(layers)))
 
 
 class _MetadataKeys:

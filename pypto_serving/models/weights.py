@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -23,7 +24,8 @@ FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-STACKED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")  # [experts, rows, cols]
+# [experts, rows, cols]: transformers 5 (in memory) fuses gate and up, GGUF does not
+STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
 
 
 def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]],
@@ -53,10 +55,11 @@ def split_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
     """Experts stored as one 3-D tensor per projection (transformers 5 in memory, GGUF's
     *_exps) -> each expert's own tensors, as published checkpoints name them."""
     for name, tensor in weights:
-        if not name.endswith(STACKED_EXPERTS) or tensor.dim() != 3:
+        match = STACKED_EXPERTS.fullmatch(name)
+        if match is None or tensor.dim() != 3:
             yield name, tensor
             continue
-        stem, kind = name.rsplit(".", 1)
+        stem, kind = match[1], match[2]
         for e, w in enumerate(tensor.unbind(0)):
             if kind == "gate_up_proj":
                 gate, up = w.chunk(2, dim=0)
