@@ -1,5 +1,6 @@
-"""The cpu backend: packed weights read by the C kernels (AVX2, FMA, F16C; kernels/cpu), the
-whole decoder stack in one C call, the C argmax, KV caches in lazily mapped zero pages, and
+"""The cpu backend: packed weights read by the C kernels (AVX2, FMA, F16C; kernels/cpu), a
+mixture-of-experts layer's experts in one C call, the whole (dense) decoder stack in one C
+call, the C argmax, KV caches in lazily mapped zero pages, and
 a heap policy for a worker process that shares a few cores and little memory.
 
 Where the C kernels cannot run (another CPU, no compiler: kernels/cpu logs why) or the
@@ -54,13 +55,16 @@ class CpuBackend(PortableBackend):
         if not (packed and self.native):
             return PORTABLE
         from pypto_serving.kernels.cpu import decoder as c
+        from pypto_serving.kernels.cpu.moe import fused_moe_cpu
 
         return DecoderOps(c.fp32_rows(c.rms_norm_cpu, PORTABLE.rms_norm),
                           c.fp32_rows(c.add_rms_norm_cpu, PORTABLE.add_rms_norm),
-                          c.fp32_rows(c.silu_and_mul_cpu, PORTABLE.silu_and_mul), c.attend_cpu, c.qk_norm_cpu)
+                          c.fp32_rows(c.silu_and_mul_cpu, PORTABLE.silu_and_mul), c.attend_cpu,
+                          c.qk_norm_cpu, fused_moe_cpu)
 
     def stack(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> StackRunner | None:
-        """Every step in one C call where the per-layer path would use the C kernels anyway."""
+        """Every step in one C call where the per-layer path would use the C kernels anyway
+        (dense models only: `DecoderStack.build` says no to experts)."""
         return DecoderStack.build(model, kv_caches) if self.native else None
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

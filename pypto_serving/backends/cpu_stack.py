@@ -9,9 +9,9 @@ tensors alive), then runs each step, decode rows and prefill chunks in any mix, 
 The kernels and their order are those of the per-layer path, so the hidden states are the
 same bit for bit (tests/worker check it).
 Used only where that path would use the same fused kernels: the Llama layer (not Gemma 3's),
-packed weights whose widths fill whole panels, head_dim a multiple of 16 up to the C
-attention's MAX_HEAD_DIM (Qwen3's q/k norms run inside the fused projection, as in that path).
-With int8 activations
+no experts (MoE), packed weights whose widths fill whole panels, head_dim a multiple of 16 up
+to the C attention's MAX_HEAD_DIM (Qwen3's q/k norms run inside the fused projection, as in
+that path). With int8 activations
 (`--activation-quantization`) the stack's linears are qdot.c's, as in that path.
 """
 
@@ -164,6 +164,8 @@ class DecoderStack:
         from pypto_serving.kernels import cpu
 
         arch = model.arch
+        if arch.num_experts:  # stack.c knows dense MLPs only
+            return None
         linears = [m for layer in model.model.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -3,7 +3,8 @@ kernels are tested against.
 
 A backend is chosen once, in the device worker, from `--backend`. It owns what differs
 between devices: weight packing and the kernels that read it (linears, embedding gathers),
-the decoder ops (norms, activation, rotary + KV write + attention), argmax, the optional
+the decoder ops (norms, activation, rotary + KV write + attention, the fused-MoE op over a
+layer's experts: `DecoderOps.fused_moe`, kernels/moe.py), argmax, the optional
 whole-stack runner, KV cache allocation and its memory budget, the heap policy of the
 worker process, and the profiler's activities. Nothing outside `backends/` branches on the
 device type; the model runner calls these hooks.

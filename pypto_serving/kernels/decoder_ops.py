@@ -1,6 +1,6 @@
 """The kernels a decoder layer is made of, as one swappable set that a backend picks
 (backends/): portable torch (`PORTABLE`), SDPA prefill for the accelerators (`SDPA`), or the
-cpu backend's fused C kernels (kernels/cpu/decoder.py).
+cpu backend's fused C kernels (kernels/cpu/decoder.py, kernels/cpu/moe.py).
 
 `attend` covers rotary -> KV write -> paged attention, so the CPU set can rotate q and k in
 place inside the fused qkv projection and write the cache in the same pass.
@@ -15,6 +15,7 @@ import torch
 
 from pypto_serving.kernels.activation import silu_and_mul
 from pypto_serving.kernels.attention import AttentionMetadata, paged_attention, sdpa_prefill_attention
+from pypto_serving.kernels.moe import FusedMoe, fused_moe
 from pypto_serving.kernels.paged_kv import write_kv
 from pypto_serving.kernels.rmsnorm import add_rms_norm, rms_norm
 from pypto_serving.kernels.rotary import apply_rotary
@@ -88,6 +89,7 @@ class DecoderOps:
     attend: Attend
     qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                       tuple[torch.Tensor, torch.Tensor]] = qk_norm
+    fused_moe: FusedMoe = fused_moe  # a mixture-of-experts layer's experts (kernels/moe.py)
 
 
 PORTABLE = DecoderOps(rms_norm, add_rms_norm, silu_and_mul, attend)

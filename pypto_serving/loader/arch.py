@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe")
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
@@ -51,3 +51,13 @@ class ModelArch(msgspec.Struct, frozen=True):
     def window(self, layer: int) -> int:
         """The sliding window of layer `layer`; 0: it attends to the whole context."""
         return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
+    # Mixture of experts (models/moe.py); num_experts 0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # the top-k routing weights are renormalized to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts (the rest: dense)
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index in self.moe_layers

@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # torch and numpy are heavy: the API process reads model shap
 
 __all__ = ["UnsupportedModel", "arch_from_gguf", "load_gguf_tensors"]
 
-_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}  # GGUF arch -> ours
+# GGUF arch -> our family
+_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+             "qwen3moe": "qwen3_moe"}
 _PERMUTED_FAMILIES = ("llama",)
 _NORM_PLUS_ONE_FAMILIES = ("gemma3",)
 # llama.cpp hard-codes Gemma 3's layout where the file does not say: every 6th layer global,
@@ -52,6 +54,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, and each projection of every expert as one 3-D tensor
+    # [experts, rows, cols] (models/weights.py splits them)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Gemma 3 normalises before and after the attention and the MLP, each.
 _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
@@ -96,11 +104,12 @@ def _arch(gguf: GGUFFile) -> ModelArch:
         )
     key = _MetadataKeys(meta, name)
     hidden, heads = key.as_int("embedding_length"), key.as_int("attention.head_count")
+    experts = _experts(key)
     arch = ModelArch(
         family=family,
         vocab_size=_vocab_size(gguf, key),
         hidden_size=hidden,
-        intermediate_size=key.as_int("feed_forward_length"),
+        intermediate_size=key.as_int("feed_forward_length", 0 if experts else None),
         num_layers=key.as_int("block_count"),
         num_heads=heads,
         num_kv_heads=key.as_int("attention.head_count_kv", heads),
@@ -110,8 +119,9 @@ def _arch(gguf: GGUFFile) -> ModelArch:
         max_position_embeddings=key.as_int("context_length"),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias=family == "qwen2",
-        qk_norm=family in ("qwen3", "gemma3"),
+        qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
         rope_scaling=_rope_scaling(gguf, key),
+        **experts,
     )
     return _gemma3_arch(arch, key) if family == "gemma3" else arch
 
@@ -134,6 +144,17 @@ def _gemma3_arch(arch: ModelArch, key: _MetadataKeys) -> ModelArch:
         query_pre_attn_scalar=float(arch.head_dim),
         final_logit_softcapping=key.as_float("final_logit_softcapping", 0.0),
     )
+
+
+def _experts(key: _MetadataKeys) -> dict[str, object]:
+    """The ModelArch fields of a mixture of experts (none for a dense model). llama.cpp's
+    qwen3moe makes every layer MoE and always renormalizes the top-k weights."""
+    if not key.get("expert_count"):
+        return {}
+    layers = key.as_int("block_count")
+    return dict(num_experts=key.as_int("expert_count"), num_experts_per_tok=key.as_int("expert_used_count"),
+                moe_intermediate_size=key.as_int("expert_feed_forward_length"), norm_topk_prob=True,
+                moe_layers=tuple(range(layers)))
 
 
 class _MetadataKeys:

@@ -22,10 +22,13 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 MODEL_TYPES = {
-    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3_moe"}
 GEMMA3_ACTIVATION = "gelu_pytorch_tanh"
+QK_NORM_FAMILIES = ("qwen3", "gemma3", "qwen3_moe")
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -53,10 +56,27 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases and its config has no attention_bias key.
         attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "gemma3"),
+        qk_norm=family in QK_NORM_FAMILIES,
         rope_scaling=_rope_scaling(_global_rope_params(config, family)),
+        **_experts(config),
     )
     return _gemma3_arch(arch, config) if family == "gemma3" else arch
+
+
+def _experts(config: dict[str, Any]) -> dict[str, Any]:
+    """The ModelArch fields of a mixture of experts (none for a dense model). A layer's MLP
+    is the experts unless it is in `mlp_only_layers` or off the `decoder_sparse_step` grid
+    (as transformers decides it)."""
+    # transformers 5 writes "num_local_experts"; the published checkpoints "num_experts".
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=config["num_experts_per_tok"],
+                moe_intermediate_size=config["moe_intermediate_size"],
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)), moe_layers=layers,
+                shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0)
 
 
 def _family(config: dict[str, Any]) -> str:

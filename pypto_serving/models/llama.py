@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral; Qwen2 = q/k/v bias; Qwen3 = q/k RMSNorm).
+"""Llama-family decoder (Llama, SmolLM, Mistral; Qwen2 = q/k/v bias; Qwen3 = q/k RMSNorm;
+Qwen3-MoE = Qwen3 with a mixture of experts as the MLP of its MoE layers: models/moe.py).
 
 Plain torch over flattened varlen tokens: every activation is [T, ...], T = tokens this step.
 Module names follow Hugging Face except the fused `qkv_proj` and `gate_up_proj`. With tensor
@@ -16,6 +17,7 @@ from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.loader.arch import ModelArch
+from pypto_serving.models.moe import SparseMoeBlock
 from pypto_serving.models.quant import LayerFactory, QuantEmbedding
 from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 
@@ -73,10 +75,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE,
+                 index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(arch, make, tp)
-        self.mlp = MLP(arch, make, tp)
+        self.mlp = SparseMoeBlock(arch, make, tp) if arch.is_moe_layer(index) else MLP(arch, make, tp)
         self.ops = make.decoder_ops()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
@@ -105,7 +108,7 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = make.embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, make, tp) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, make, tp, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, make.decoder_ops())
 
 

@@ -171,9 +171,13 @@ class LayerFactory:
 
 
 def finish_loading(model: nn.Module) -> None:
-    """Every packed weight is complete; biases are laid out for the kernels."""
-    for name, module in model.named_modules():
+    """Every packed weight is complete; biases are laid out for the kernels; then every
+    module with a `finish_loading` of its own (an MoE layer's experts) sees its finished
+    linears (children come before their parents here)."""
+    modules = list(model.named_modules())
+    for name, module in modules:
         if isinstance(module, PackedRows):
             module.check_loaded(name)
-        if isinstance(module, QuantLinear):
+    for _, module in reversed(modules):
+        if hasattr(module, "finish_loading"):
             module.finish_loading()

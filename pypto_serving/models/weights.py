@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -18,8 +19,13 @@ FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    # a mixture of experts' experts (mlp.experts.N.) and shared expert (mlp.shared_expert.)
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# [experts, rows, cols]: transformers 5 (in memory) fuses gate and up, GGUF does not
+STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
 
 
 def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]],
@@ -27,7 +33,7 @@ def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str,
     """Copy every (HF name, tensor) into `model`, casting (packing quantized weights as they
     come); fail on missing or unknown names. With `tp`, `model` is one rank's part: each
     tensor is cut to that part first."""
-    weights, arch = tp.shard_all(weights, arch), tp.local_arch(arch)
+    weights, arch = tp.shard_all(split_experts(weights), arch), tp.local_arch(arch)
     params: dict[str, nn.Parameter | PackedRows] = dict(model.named_parameters())
     params |= {name: m for name, m in model.named_modules() if isinstance(m, PackedRows)}
     expected = {(name, s) for name in params for s in range(len(shard_rows(name, arch)))}
@@ -43,6 +49,24 @@ def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str,
         missing = sorted({name for name, _ in expected})
         raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing)}")
     finish_loading(model)
+
+
+def split_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Experts stored as one 3-D tensor per projection (transformers 5 in memory, GGUF's
+    *_exps) -> each expert's own tensors, as published checkpoints name them."""
+    for name, tensor in weights:
+        match = STACKED_EXPERTS.fullmatch(name)
+        if match is None or tensor.dim() != 3:
+            yield name, tensor
+            continue
+        stem, kind = match[1], match[2]
+        for e, w in enumerate(tensor.unbind(0)):
+            if kind == "gate_up_proj":
+                gate, up = w.chunk(2, dim=0)
+                yield f"{stem}.{e}.gate_proj.weight", gate
+                yield f"{stem}.{e}.up_proj.weight", up
+            else:
+                yield f"{stem}.{e}.{kind}.weight", w
 
 
 def _is_tied_head(hf_name: str, arch: ModelArch) -> bool:
@@ -63,6 +87,10 @@ def shard_rows(name: str, arch: ModelArch) -> list[int]:
     if ".qkv_proj." in name:
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         return [q, kv, kv]
+    if ".experts." in name and ".gate_up_proj." in name:
+        return [arch.moe_intermediate_size] * 2
+    if ".shared_expert." in name and ".gate_up_proj." in name:
+        return [arch.shared_expert_intermediate_size] * 2
     if ".gate_up_proj." in name:
         return [arch.intermediate_size] * 2
     return [-1]

@@ -10,6 +10,8 @@ def check_divisible(arch: ModelArch, size: int) -> str | None:
     """Why `arch` cannot be split over `size` ranks (None: it can)."""
     if size == 1:
         return None
+    if arch.num_experts:  # the experts' split (or expert parallelism) is not built yet
+        return "mixture-of-experts models run on one rank for now: use --tensor-parallel-size 1"
     if arch.num_heads % size:
         return f"the model's {arch.num_heads} attention heads do not divide over {size} ranks"
     kv = arch.num_kv_heads

@@ -136,7 +136,7 @@ REASONING_FORMATS = {
     "deepseek_r1": ReasoningFormat("deepseek_r1", always_open=True),
 }
 REASONING_PARSER_NAMES = ("none", *REASONING_FORMATS)
-_FAMILY_DEFAULTS = {"qwen3": "qwen3", "gemma3": "none"}  # Gemma 3 has no thinking markup
+_FAMILY_DEFAULTS = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "gemma3": "none"}  # Gemma 3: no thinking markup
 
 
 def reasoning_parser_for(family: str, name: str | None = None) -> ReasoningFormat | None:

@@ -316,7 +316,7 @@ class HermesToolParser:
 TOOL_PARSERS: dict[str, Callable[..., ToolParser]] = {"hermes": HermesToolParser, "qwen": HermesToolParser}
 TOOL_PARSER_NAMES = ("none", *TOOL_PARSERS)
 # Gemma 3 has no tool-call format of its own
-_FAMILY_DEFAULTS = {"qwen2": "hermes", "qwen3": "hermes", "gemma3": "none"}
+_FAMILY_DEFAULTS = {"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes", "gemma3": "none"}
 
 
 def tool_parser_name(family: str, name: str | None = None) -> str:

@@ -302,7 +302,7 @@ def test_unknown_architecture_is_rejected_with_supported_list(tmp_path: Path) ->
     path = write_gguf(tmp_path / "g.gguf", {}, arch="gpt2")
     with pytest.raises(UnsupportedModel) as info:
         arch_from_gguf(path)
-    message = "GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3, gemma3"
+    message = "GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3, gemma3, qwen3moe"
     assert str(info.value) == message
 
 

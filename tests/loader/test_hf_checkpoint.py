@@ -88,7 +88,8 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(architecture: 
         arch_from_hf_config(config)
     message = str(info.value)
     assert message == (f"unsupported model architecture ['{architecture}']; supported: LlamaForCausalLM, "
-                       "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM")
+                       "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, "
+                       "Qwen3MoeForCausalLM")
 
 
 def test_gemma3_config() -> None:

@@ -26,7 +26,7 @@ import structlog
 import torch
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("qlinear.c", "qdot.c", "decoder.c", "stack.c", "sampling.c")]
+           for name in ("qlinear.c", "qdot.c", "decoder.c", "stack.c", "sampling.c", "moe.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -43,11 +43,13 @@ SIGNATURES = {
     "decode_scores_len": [_I, _I, _I],
     "argmax_rows": [_P, _I, _I, _I, _P],
     "stack_layout": [_P, _I],
+    "moe_experts": [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P],
 }
 
 
 # a status (0, or -1 when out of memory) or a size
-RETURNS_INT = {"step_stack", "qlinear_q8", "prefill_attention", "decode_scores_len", "stack_layout"}
+RETURNS_INT = {"step_stack", "qlinear_q8", "prefill_attention", "decode_scores_len", "stack_layout",
+               "moe_experts"}
 # the end of the compiler's output kept in the warning: where its last (often fatal) error is
 STDERR_CHARS = 4000
 
