@@ -5,6 +5,7 @@ largest step."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 
@@ -31,8 +32,8 @@ class CudaBackend(PortableBackend):
             return SDPA
         from pypto_serving.kernels.triton.paged_attention import paged_decode_attention
 
-        return DecoderOps(SDPA.rms_norm, SDPA.add_rms_norm, SDPA.silu_and_mul,
-                          attend_sdpa_with(paged_decode_attention))
+        kernel = functools.partial(paged_decode_attention, tensor_cores=self.device.type == "cuda")
+        return DecoderOps(SDPA.rms_norm, SDPA.add_rms_norm, SDPA.silu_and_mul, attend_sdpa_with(kernel))
 
     def kv_budget(self, host_bytes: int, utilization: float, weight_bytes: int,
                   largest_step: Callable[[], None], sampler_bytes: int) -> int:

@@ -139,7 +139,8 @@ def _restore(model: nn.Module, path: Path, key: dict, device: torch.device) -> b
         log.info("weight cache miss: packing from the checkpoint", entry=str(path))
         return False
     start = time.monotonic()
-    try:
+    try:  # (another process may remove the entry meanwhile: then it is rebuilt too)
+        size = path.stat().st_size
         entry = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if entry.get("key") != key:
             raise ValueError("its key is not this model's")
@@ -149,7 +150,7 @@ def _restore(model: nn.Module, path: Path, key: dict, device: torch.device) -> b
                     error=f"{type(exc).__name__}: {exc}")
         _remove(path)
         return False
-    log.info("weight cache hit", entry=str(path), mib=path.stat().st_size >> 20,
+    log.info("weight cache hit", entry=str(path), mib=size >> 20,
              seconds=round(time.monotonic() - start, 2))
     return True
 

@@ -26,7 +26,7 @@ def test_the_cuda_backends_decoder_ops_run_a_model_as_the_portable_ones_do(drive
     calls = []
     kernel = paged_attention.paged_decode_attention
     monkeypatch.setattr(paged_attention, "paged_decode_attention",
-                        lambda *args: calls.append(1) or kernel(*args))
+                        lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
     cuda_ops = CudaBackend("cpu", torch.float32).decoder_ops(packed=False)
     assert cuda_ops.attend is not PORTABLE.attend
     fast, _ = driver("llama")

@@ -64,10 +64,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, scale,
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           slots: torch.Tensor, lens: torch.Tensor, scale: float,
+                           tensor_cores: bool = False) -> torch.Tensor:
     """q [B, heads, d] (rows may be strided; heads contiguous), caches [blocks, block_size,
     kv_heads, d] (contiguous), slots [B, L] (each sequence's context slots, padded), lens [B]
-    -> [B, heads, d] in q's dtype. Every sequence needs at least one key."""
+    -> [B, heads, d] in q's dtype. Every sequence needs at least one key. `tensor_cores`:
+    bf16/fp16 caches are multiplied in their own dtype (float32 accumulation), not in float32."""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[2]
     if heads % kv_heads or k_cache.shape[3] != d or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -77,7 +79,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     slots, lens = slots.contiguous(), lens.contiguous()
     out = torch.empty(b, heads, d, dtype=q.dtype, device=q.device)
     group = heads // kv_heads
-    low = k_cache.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cuda"
+    low = tensor_cores and k_cache.dtype in (torch.bfloat16, torch.float16)
     pad_g, pad_d = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d))
     _decode_kernel[(b, kv_heads)](
         q, k_cache, v_cache, slots, lens, out, scale,
