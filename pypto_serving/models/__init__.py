@@ -1,5 +1,5 @@
 """Model families and how to build them: Llama, Qwen2 and Qwen3 share `llama.LlamaForCausalLM`;
-Gemma 3 is `gemma3.Gemma3ForCausalLM`."""
+Gemma 3 is `gemma3.Gemma3ForCausalLM`; both are `llama.CausalLM`s (shape, head, logits)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import torch
 from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq
 from pypto_serving.loader.arch import FAMILIES, ModelArch
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
-from pypto_serving.models.llama import LlamaForCausalLM
+from pypto_serving.models.llama import CausalLM, LlamaForCausalLM
 from pypto_serving.models.quant import LayerFactory
 from pypto_serving.models.weights import load_weights
 from pypto_serving.parallel.sharding import SINGLE, TensorParallel
-
-CausalLM = LlamaForCausalLM | Gemma3ForCausalLM
 
 
 def build_model(

@@ -11,7 +11,6 @@ optional final-logit soft-capping. Module names follow Hugging Face's but for th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pypto_serving.kernels.activation import gelu_tanh_and_mul
@@ -19,8 +18,8 @@ from pypto_serving.kernels.attention import AttentionMetadata, with_window
 from pypto_serving.kernels.rmsnorm import gemma_rms_norm
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.loader.arch import ModelArch
-from pypto_serving.models.llama import KVCache, Rotary
-from pypto_serving.models.quant import LayerFactory, QuantEmbedding
+from pypto_serving.models.llama import CausalLM, KVCache, Rotary
+from pypto_serving.models.quant import LayerFactory
 from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 
 
@@ -93,19 +92,11 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     def __init__(self, arch: ModelArch, make: LayerFactory | None = None,
                  tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        make = make or LayerFactory()
-        self.arch, self.tp = arch, tp  # the whole model's shape; this rank's part of it
-        self.local_arch = local = tp.local_arch(arch)
-        self.model = Gemma3Model(local, make, tp)
-        if not arch.tie_word_embeddings:
-            self.lm_head = make.linear(arch.hidden_size, local.vocab_size, head=True)
-        # [max_positions, 2, head_dim / 2] float32 cos/sin of the global and the sliding
-        # layers, filled by build_model.
-        self.register_buffer("rope", torch.empty(0), persistent=False)
+        super().__init__(arch, make, tp, Gemma3Model)
+        # the sliding layers' cos/sin beside the global layers' `rope`, filled by build_model
         self.register_buffer("rope_local", torch.empty(0), persistent=False)
 
     def forward(
@@ -134,14 +125,6 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks), soft-capped."""
-        logits = self.tp.logits(self._local_logits(hidden), self.arch)
+        logits = super().compute_logits(hidden)
         cap = self.arch.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        if self.arch.tie_word_embeddings and isinstance(embed, QuantEmbedding):
-            return embed.as_linear(hidden)
-        if self.arch.tie_word_embeddings:
-            return F.linear(hidden, embed.weight)
-        return self.lm_head(hidden)

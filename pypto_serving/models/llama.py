@@ -9,6 +9,8 @@ of the vocabulary; o_proj and down_proj sum their partial products over the rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,18 +114,39 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, make.decoder_ops())
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, make: LayerFactory | None = None,
-                 tp: TensorParallel = SINGLE) -> None:
+class CausalLM(nn.Module):
+    """What every family's model shares: the whole model's shape and this rank's part of it,
+    the decoder body (`body(local arch, make, tp)`, named `model` as in HF), the head, the logits."""
+
+    def __init__(self, arch: ModelArch, make: LayerFactory | None, tp: TensorParallel,
+                 body: Callable[[ModelArch, LayerFactory, TensorParallel], nn.Module]) -> None:
         super().__init__()
         make = make or LayerFactory()
-        self.arch, self.tp = arch, tp  # the whole model's shape; this rank's part of it
+        self.arch, self.tp = arch, tp
         self.local_arch = local = tp.local_arch(arch)
-        self.model = LlamaModel(local, make, tp)
+        self.model = body(local, make, tp)
         if not arch.tie_word_embeddings:
             self.lm_head = make.linear(arch.hidden_size, local.vocab_size, head=True)
         # [max_positions, 2, head_dim / 2] float32 cos/sin, filled by build_model.
         self.register_buffer("rope", torch.empty(0), persistent=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks)."""
+        return self.tp.logits(self._local_logits(hidden), self.arch)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        embed = self.model.embed_tokens
+        if self.arch.tie_word_embeddings and isinstance(embed, QuantEmbedding):
+            return embed.as_linear(hidden)
+        if self.arch.tie_word_embeddings:
+            return F.linear(hidden, embed.weight)
+        return self.lm_head(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, arch: ModelArch, make: LayerFactory | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(arch, make, tp, LlamaModel)
 
     def forward(
         self,
@@ -140,15 +163,3 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, rotary, kv, meta)
         norm = self.model.norm
         return norm.ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks)."""
-        return self.tp.logits(self._local_logits(hidden), self.arch)
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        if self.arch.tie_word_embeddings and isinstance(embed, QuantEmbedding):
-            return embed.as_linear(hidden)
-        if self.arch.tie_word_embeddings:
-            return F.linear(hidden, embed.weight)
-        return self.lm_head(hidden)
