@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -32,6 +33,16 @@ class ServerProcess:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def json_records(self) -> list[dict]:
+        """The output lines that are JSON log records (`--log-format json`), others skipped."""
+        out = []
+        for line in self.lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
     def __enter__(self) -> ServerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -30,20 +30,10 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
         yield server
 
 
-def records(server: ServerProcess) -> list[dict]:
-    out = []
-    for line in server.lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def wait_for_record(server: ServerProcess, match, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [r for r in records(server) if match(r)]
+        found = [r for r in server.json_records() if match(r)]
         if found:
             return found[-1]
         time.sleep(0.05)

@@ -76,16 +76,6 @@ def dp2(checkpoint: Path) -> ServerProcess:
         yield server
 
 
-def records(server: ServerProcess) -> list[dict]:
-    out = []
-    for line in server.lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def by_engine(url: str) -> dict[str, dict]:
     return {r["engine"]: r for r in httpx.get(url + "/metrics/json", timeout=30).json()["replicas"]}
 
@@ -118,14 +108,14 @@ def test_dp2_answers_32_concurrent_requests_once_each_on_both_replicas_as_dp1_do
 
 
 def test_the_startup_log_names_the_device_groups_and_each_replicas_kv_blocks(dp2: ServerProcess):
-    events = [r["event"] for r in records(dp2)]
+    events = [r["event"] for r in dp2.json_records()]
     assert "Platform: a2a3, backend cpu, device groups [[0], [1]]" in events
     assert any(e.startswith("Parallelism: replicas 2, dp 2, tp 1") for e in events)
     assert "Max running requests: 16 per replica; max model len: 1024" in events
-    loaded = {r["replica"]: r for r in records(dp2) if r["event"] == "model loaded"}
+    loaded = {r["replica"]: r for r in dp2.json_records() if r["event"] == "model loaded"}
     assert sorted(loaded) == [0, 1] and loaded[0]["worker_pids"] != loaded[1]["worker_pids"]
     kv = next(e for e in events if e.startswith("KV cache: "))
-    blocks = [r["blocks"] for r in records(dp2) if r["event"] == "allocating the KV cache"]
+    blocks = [r["blocks"] for r in dp2.json_records() if r["event"] == "allocating the KV cache"]
     assert kv == f"KV cache: {blocks[0]} blocks of 16 tokens on replica 0, {blocks[1]} on replica 1"
     health = httpx.get(dp2.url + "/health").json()
     assert health == {"status": "ok", "replicas": [{"engine": "0", "status": "ok"},
@@ -151,7 +141,8 @@ def test_offline_prompts_run_on_two_replicas_with_dp1s_greedy_text(checkpoint: P
 
 def test_a_killed_replica_ends_only_its_requests_and_the_other_keeps_serving(checkpoint: Path):
     with ServerProcess(flags(checkpoint, "--dp", "2")) as server:
-        pids = {r["replica"]: r["worker_pids"][0] for r in records(server) if r["event"] == "model loaded"}
+        loaded = [r for r in server.json_records() if r["event"] == "model loaded"]
+        pids = {r["replica"]: r["worker_pids"][0] for r in loaded}
         streams = [BackgroundStream(server.url, {"prompt": p, "max_tokens": 400}) for p in PROMPTS[:4]]
         for stream in streams:
             stream.start()
