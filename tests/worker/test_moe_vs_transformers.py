@@ -13,7 +13,7 @@ import transformers
 
 from pypto_serving.kernels import cpu
 from pypto_serving.worker.model_runner import ModelRunner
-from tests.worker.tiny_models import COMMON, Driver, Oracle, worker_config
+from tests.worker.tiny_models import COMMON, Driver, Oracle, mixed_batch, worker_config
 
 ATOL = 1e-4
 PROMPT = [(7 * i + 3) % 256 for i in range(13)]
@@ -80,19 +80,7 @@ def test_mixed_prefill_and_decode_batch_matches_transformers(moe_checkpoint: Cal
     """Tokens of several sequences share the experts of one step."""
     path, hf = moe_checkpoint("qwen3_moe")
     d, o = runner(path), Oracle(hf)
-    prompts = {1: PROMPT[:3], 2: PROMPT[:11], 3: (PROMPT * 2)[:17]}
-    rows: dict[int, list[torch.Tensor]] = {1: [], 2: [], 3: []}
-
-    def run(seqs: list) -> None:
-        result, logits = d.step(seqs)
-        for i, seq_id in enumerate(result.seq_ids):
-            rows[seq_id].append(logits[i])
-
-    run([d.add(1, prompts[1], chunk=3), d.add(2, prompts[2], chunk=6)])
-    run([d.next(1), d.next(2, 5), d.add(3, prompts[3], chunk=8)])
-    run([d.next(2), d.next(3, 9), d.next(1)])
-    for _ in range(5):
-        run([d.next(3), d.next(1), d.next(2)])
+    prompts, rows = mixed_batch(d, PROMPT)
     for seq_id, prompt in prompts.items():
         n = len(rows[seq_id])
         assert d.tokens[seq_id][len(prompt):] == o.greedy(prompt, n)

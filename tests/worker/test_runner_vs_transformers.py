@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from tests.worker.tiny_models import CHECKPOINTS, Driver, Oracle
+from tests.worker.tiny_models import CHECKPOINTS, Driver, Oracle, mixed_batch
 
 ATOL = 1e-4  # fp32; measured max difference is ~1e-6
 PROMPT = [(7 * i + 3) % 256 for i in range(13)]
@@ -72,19 +72,7 @@ def test_prefix_cache_hit_reuses_blocks(driver) -> None:
 
 def test_mixed_prefill_and_decode_batch(driver) -> None:
     d, o = driver("qwen2_tied")
-    prompts = {1: PROMPT[:3], 2: PROMPT[:11], 3: (PROMPT * 2)[:17]}
-    rows: dict[int, list[torch.Tensor]] = {1: [], 2: [], 3: []}
-
-    def run(seqs: list) -> None:
-        result, logits = d.step(seqs)
-        for i, seq_id in enumerate(result.seq_ids):
-            rows[seq_id].append(logits[i])
-
-    run([d.add(1, prompts[1], chunk=3), d.add(2, prompts[2], chunk=6)])
-    run([d.next(1), d.next(2, 5), d.add(3, prompts[3], chunk=8)])
-    run([d.next(2), d.next(3, 9), d.next(1)])
-    for _ in range(5):
-        run([d.next(3), d.next(1), d.next(2)])
+    prompts, rows = mixed_batch(d, PROMPT)
     for seq_id, prompt in prompts.items():
         n = len(rows[seq_id])
         assert d.tokens[seq_id][len(prompt) :] == o.greedy(prompt, n)

@@ -186,6 +186,25 @@ class Driver:
         return result, logits
 
 
+def mixed_batch(d: Driver, prompt: list[int]) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+    """Three sequences prefilled in chunks beside each other's decode rows, then decoded
+    together: each sequence's prompt and the logits of its sampled rows, in order."""
+    prompts = {1: prompt[:3], 2: prompt[:11], 3: (prompt * 2)[:17]}
+    rows: dict[int, list[torch.Tensor]] = {1: [], 2: [], 3: []}
+
+    def run(seqs: list[ScheduledSeq]) -> None:
+        result, logits = d.step(seqs)
+        for i, seq_id in enumerate(result.seq_ids):
+            rows[seq_id].append(logits[i])
+
+    run([d.add(1, prompts[1], chunk=3), d.add(2, prompts[2], chunk=6)])
+    run([d.next(1), d.next(2, 5), d.add(3, prompts[3], chunk=8)])
+    run([d.next(2), d.next(3, 9), d.next(1)])
+    for _ in range(5):
+        run([d.next(3), d.next(1), d.next(2)])
+    return prompts, rows
+
+
 class Oracle:
     """The transformers model the checkpoint came from."""
 
