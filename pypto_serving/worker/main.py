@@ -112,13 +112,7 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
     except Exception as exc:  # reported to the parent, which exits with the message
         conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
         return
-    # What loading made (modules, the model) lives as long as the process: out of the cyclic
-    # collector's sight, a full collection during a step walks only what steps made (it took
-    # ~3% of a prefill's time walking torch's and the model's objects). The price: a frozen
-    # object that later becomes cyclic garbage is never freed; the runner keeps its model,
-    # caches and kernels for the process's life, so only load-time leftovers could be.
-    gc.collect()
-    gc.freeze()
+    _freeze_loaded()
     conn.send_bytes(encoder.encode(
         WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes, runner.kernels,
                     runner.activation_quantization)))
@@ -127,6 +121,16 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
     activities = BACKENDS[cfg.device.backend].profiler_activities
     _serve(conn, runner, encoder, WorkerProfiler(f"device-worker {cfg.device.device}", activities),
            cfg.parallel.tp)
+
+
+def _freeze_loaded() -> None:
+    """What loading made (modules, the model) lives as long as the process: out of the cyclic
+    collector's sight, a full collection during a step walks only what steps made (it took
+    ~3% of a prefill's time walking torch's and the model's objects). The price: a frozen
+    object that later becomes cyclic garbage is never freed; the runner keeps its model,
+    caches and kernels for the process's life, so only load-time leftovers could be."""
+    gc.collect()
+    gc.freeze()
 
 
 def _build_runner(cfg: WorkerConfig, rank: int = 0, device: str = "") -> object:
@@ -171,8 +175,7 @@ def follow(start: RankStart) -> None:
         log.error("tensor-parallel rank could not start", rank=start.rank,
                   error=f"{type(exc).__name__}: {exc}")
         sys.exit(1)
-    gc.collect()
-    gc.freeze()
+    _freeze_loaded()
     decoder = msgspec.msgpack.Decoder(StepPlan | Idle | Shutdown)
     try:
         while not isinstance(msg := decoder.decode(channel.receive()), Shutdown):
