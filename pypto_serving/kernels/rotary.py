@@ -23,7 +23,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     raise ValueError(f"unknown rope scaling kind {scaling.kind!r}")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies that turn more than `beta_fast` times over the original context keep
+    their value, those under `beta_slow` times are divided by `factor`, a linear ramp between
+    (the correction range rounded outwards, as transformers does)."""
+    def correction_dim(rotations: float) -> float:
+        turns = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the unscaled frequency
+    # theta ** (2i / dim) again, so that the sums round as transformers' do
+    periods = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (s.factor * periods) * (1 - keep) + inv_freq * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:

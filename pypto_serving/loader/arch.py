@@ -8,17 +8,50 @@ from __future__ import annotations
 
 import msgspec
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "deepseek_v4")
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
-    """Llama-3 style frequency scaling; `kind` is "llama3" or "linear"."""
+    """Frequency scaling; `kind` is "llama3", "linear" or "yarn" (YaRN's ramp between
+    `beta_fast` and `beta_slow` rotations; its cos/sin are not rescaled)."""
 
     kind: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+class DeepseekV4Shape(msgspec.Struct, frozen=True):
+    """What DeepSeek V4 adds to a decoder's shape (models/deepseek_v4.py)."""
+
+    q_lora_rank: int  # the query's low-rank bottleneck
+    o_groups: int  # head groups of the grouped output projection
+    o_lora_rank: int  # each group's width after its projection
+    rope_dim: int  # the trailing channels of a head that rotate (interleaved pairs)
+    # per layer: "sliding", "csa" (compressed sparse) or "hca" (heavily compressed)
+    attention: tuple[str, ...]
+    csa_rate: int  # tokens per compressed entry of a csa layer
+    hca_rate: int  # of an hca layer
+    compress_rope_theta: float  # the rotary base of csa/hca layers and their compressed entries
+    compress_rope_scaling: RopeScaling | None
+    hc_mult: int  # residual streams of the hyper-connections
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    hash_layers: tuple[int, ...]  # layers whose experts are picked by token id, not by score
+    swiglu_limit: float  # the experts' gate and up clamp
+    index_heads: int  # the lightning indexer's query heads
+    index_head_dim: int
+    index_topk: int  # compressed entries a csa query attends to
+    scoring: str  # the router's score: sqrtsoftplus, sigmoid or softmax
+    routed_scaling_factor: float
+
+    def rate(self, layer: int) -> int:
+        """Tokens per compressed entry of layer `layer`; 0: it keeps no compressed entries."""
+        kind = self.attention[layer]
+        return self.csa_rate if kind == "csa" else self.hca_rate if kind == "hca" else 0
 
 
 class ModelArch(msgspec.Struct, frozen=True):
@@ -58,6 +91,7 @@ class ModelArch(msgspec.Struct, frozen=True):
     norm_topk_prob: bool = False  # the top-k routing weights are renormalized to sum to 1
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts (the rest: dense)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+    deepseek_v4: DeepseekV4Shape | None = None
 
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and index in self.moe_layers

@@ -1,5 +1,6 @@
-"""Model families and how to build them: Llama, Qwen2 and Qwen3 share `llama.LlamaForCausalLM`;
-Gemma 3 is `gemma3.Gemma3ForCausalLM`; both are `llama.CausalLM`s (shape, head, logits)."""
+"""Model families and how to build them: Llama, Qwen2, Qwen3 and Qwen3-MoE share
+`llama.LlamaForCausalLM`; Gemma 3 is `gemma3.Gemma3ForCausalLM`, DeepSeek V4
+`deepseek_v4.DeepseekV4ForCausalLM`; all are `llama.CausalLM`s (shape, head, logits)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import torch
 
 from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq
 from pypto_serving.loader.arch import FAMILIES, ModelArch
+from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.llama import CausalLM, LlamaForCausalLM
 from pypto_serving.models.quant import LayerFactory
 from pypto_serving.models.weights import load_weights
 from pypto_serving.parallel.sharding import SINGLE, TensorParallel
+
+CLASSES: dict[str, type[CausalLM]] = {"gemma3": Gemma3ForCausalLM, "deepseek_v4": DeepseekV4ForCausalLM}
 
 
 def build_model(
@@ -31,10 +35,15 @@ def build_model(
     if arch.family not in FAMILIES:
         raise ValueError(f"unknown model family {arch.family!r}; known: {', '.join(FAMILIES)}")
     with torch.device("meta"):
-        model = (Gemma3ForCausalLM if arch.family == "gemma3" else LlamaForCausalLM)(arch, layers, tp)
+        model = CLASSES.get(arch.family, LlamaForCausalLM)(arch, layers, tp)
     # Built on meta, so no time or memory goes into a random init that loading overwrites.
     model = _materialize(model.to(dtype), torch.device(device)).eval().requires_grad_(False)
     positions = max_positions or arch.max_position_embeddings
+    if isinstance(model, DeepseekV4ForCausalLM):
+        model.keep_float32()
+        model.build_rotary(positions)
+        model.to(device)
+        return model
     inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
     model.rope = rope_cache(inv_freq, positions).to(device)
     if arch.sliding_window:  # the sliding layers' own base, unscaled
@@ -57,4 +66,5 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return model
 
 
-__all__ = ["CausalLM", "Gemma3ForCausalLM", "LayerFactory", "LlamaForCausalLM", "build_model", "load_weights"]
+__all__ = ["CausalLM", "DeepseekV4ForCausalLM", "Gemma3ForCausalLM", "LayerFactory", "LlamaForCausalLM",
+           "build_model", "load_weights"]

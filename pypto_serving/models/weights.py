@@ -33,6 +33,7 @@ def load_weights(model: nn.Module, arch: ModelArch, weights: Iterable[tuple[str,
     """Copy every (HF name, tensor) into `model`, casting (packing quantized weights as they
     come); fail on missing or unknown names. With `tp`, `model` is one rank's part: each
     tensor is cut to that part first."""
+    weights = getattr(model, "checkpoint_names", lambda named: named)(weights)  # a family's own names
     weights, arch = tp.shard_all(split_experts(weights), arch), tp.local_arch(arch)
     params: dict[str, nn.Parameter | PackedRows] = dict(model.named_parameters())
     params |= {name: m for name, m in model.named_modules() if isinstance(m, PackedRows)}

@@ -1,4 +1,5 @@
-"""KV cache sizing and allocation: per layer, k and v [num_blocks, block_size, kv_heads, d]."""
+"""KV cache sizing and allocation: per layer, k and v [num_blocks, block_size, kv_heads, d]
+(DeepSeek V4: one `CompressedLayerCache` per layer, kernels/compressed_kv.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,34 @@ from collections.abc import Callable
 
 import torch
 
+from pypto_serving.kernels.compressed_kv import (
+    CompressedLayerCache,
+    allocate_compressed_cache,
+    compressed_block_bytes,
+)
 from pypto_serving.loader.arch import ModelArch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+LayerCache = KVCache | CompressedLayerCache
 
 
-def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """k and v of every layer for one block."""
+def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype,
+                    state_dtype: torch.dtype | None = None) -> int:
+    """k and v of every layer for one block (and compressed state, kept in `state_dtype`,
+    the model's)."""
+    if arch.deepseek_v4 is not None:
+        return sum(compressed_block_bytes(block_size, arch.head_dim, *_compressed_layer(arch, layer), dtype,
+                                          state_dtype or dtype) for layer in range(arch.num_layers))
     per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize
     return per_token * block_size
+
+
+def _compressed_layer(arch: ModelArch, layer: int) -> tuple[int, tuple[int, int], int]:
+    """(rate, (compressor, indexer) projection widths per token, the indexer's entry width)."""
+    shape = arch.deepseek_v4
+    kind, d, index_dim = shape.attention[layer], arch.head_dim, shape.index_head_dim
+    widths = {"sliding": (0, 0), "hca": (2 * d, 0), "csa": (4 * d, 4 * index_dim)}[kind]
+    return shape.rate(layer), widths, index_dim
 
 
 def num_kv_blocks(budget_bytes: int, block_bytes: int, max_blocks: int) -> int:
@@ -30,9 +50,20 @@ def num_kv_blocks(budget_bytes: int, block_bytes: int, max_blocks: int) -> int:
 
 def allocate_kv_cache(
     arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
-    zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
-) -> list[KVCache]:
+    zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], state_dtype: torch.dtype | None = None,
+) -> list[LayerCache]:
     """`zeros(shape, dtype)` is the backend's storage (zeros: padded slots are masked, but
     0 * NaN garbage would still be NaN)."""
+    if arch.deepseek_v4 is not None:
+        return [allocate_compressed_cache(num_blocks, block_size, arch.head_dim, *_compressed_layer(arch, i),
+                                          dtype, state_dtype or dtype, zeros) for i in range(arch.num_layers)]
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(arch.num_layers)]
+
+
+def forget_blocks(caches: list[LayerCache], blocks: list[int]) -> None:
+    """Blocks handed to a sequence afresh: the compressed state they held is no one's now."""
+    if blocks and caches and isinstance(caches[0], CompressedLayerCache):
+        index = torch.tensor(blocks, dtype=torch.int64, device=caches[0].kv.device)
+        for cache in caches:
+            cache.forget(index)

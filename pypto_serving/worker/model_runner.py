@@ -34,9 +34,10 @@ from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 from pypto_serving.worker.batch import StepBatch, prepare
 from pypto_serving.worker.grammar import Grammars, advance
 from pypto_serving.worker.kv_cache import (
-    KVCache,
+    LayerCache,
     allocate_kv_cache,
     bytes_per_block,
+    forget_blocks,
     num_kv_blocks,
 )
 from pypto_serving.worker.memory import module_bytes
@@ -99,7 +100,7 @@ class ModelRunner:
         self.seqs: dict[int, SeqState] = {}
         self._seeds = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)
         self.grammars = Grammars(cfg.grammar.tokenizer_json, self.arch.vocab_size, cfg.grammar.eos_token_id)
-        block_bytes = bytes_per_block(self.model.local_arch, self.block_size, self.kv_dtype)
+        block_bytes = bytes_per_block(self.model.local_arch, self.block_size, self.kv_dtype, self.dtype)
         self.num_blocks = agree(num_kv_blocks(self._kv_budget(), block_bytes, cfg.kv_cache.max_num_blocks))
         self.kv_cache_bytes = self.num_blocks * block_bytes
         log.info("allocating the KV cache", blocks=self.num_blocks, mib=self.kv_cache_bytes >> 20,
@@ -129,6 +130,7 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         seqs = [resolve_placeholders(self.seqs, s) for s in plan.seqs]
         states = [apply_scheduled(self.seqs, s, self.device, self.grammars, self._seeds) for s in seqs]
+        forget_blocks(self.kv_caches, [b for s in seqs for b in fresh_blocks(s, self.block_size)])
         if not seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.arch.vocab_size)
         batch = prepare(seqs, states, self.block_size, self.device)
@@ -155,15 +157,15 @@ class ModelRunner:
         of the sequences that asked for them: score_prompts)."""
         return self.model.compute_logits(hidden[batch.sample_rows]).float()
 
-    def _hidden(self, batch: StepBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+    def _hidden(self, batch: StepBatch, kv_caches: list[LayerCache]) -> torch.Tensor:
         """The final hidden states of every row of the step."""
         if self.stack is not None and self.stack.applies(batch.attn, kv_caches):
             return self.stack(batch.input_ids, batch.positions, batch.attn)
         return self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)
 
-    def _allocate(self, num_blocks: int) -> list[KVCache]:
+    def _allocate(self, num_blocks: int) -> list[LayerCache]:
         arch, bs = self.model.local_arch, self.block_size
-        return allocate_kv_cache(arch, num_blocks, bs, self.kv_dtype, self.backend.zeros)
+        return allocate_kv_cache(arch, num_blocks, bs, self.kv_dtype, self.backend.zeros, self.dtype)
 
     def _kv_budget(self) -> int:
         kv = self.cfg.kv_cache
@@ -183,6 +185,14 @@ class ModelRunner:
         state = apply_scheduled({}, seq, self.device)
         batch = prepare([seq], [state], self.block_size, self.device)
         self._sample_logits(batch, self._hidden(batch, self._allocate(blocks)))
+
+
+def fresh_blocks(seq: ScheduledSeq, block_size: int) -> list[int]:
+    """The blocks `seq` is handed afresh this step: appended ones, or with `reset` those past
+    its prefix-cache hits (which hold what its prefix computed)."""
+    if not seq.reset:
+        return seq.new_block_ids
+    return seq.new_block_ids[seq.start_pos // block_size:]
 
 
 def _dummy_seq(tokens: int, blocks: int) -> ScheduledSeq:
