@@ -89,7 +89,7 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(architecture: 
     message = str(info.value)
     assert message == (f"unsupported model architecture ['{architecture}']; supported: LlamaForCausalLM, "
                        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, "
-                       "Qwen3MoeForCausalLM")
+                       "Qwen3MoeForCausalLM, DeepseekV4ForCausalLM")
 
 
 def test_gemma3_config() -> None:
