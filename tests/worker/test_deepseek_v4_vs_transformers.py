@@ -59,7 +59,7 @@ CHECKPOINTS = {
     # it keeps 3 of up to 15: the top-k selection matters; YaRN on the compressed layers' rotary
     "deepseek_v4_sparse": dict(
         index_topk=3,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16},
     ),
 }
 
