@@ -195,3 +195,20 @@ def test_block_sizes_that_split_a_compression_window_unevenly_are_refused(checkp
         ValueError, match="--block-size 6 must divide or be a multiple of the compression rate 4"
     ):
         ModelRunner(worker_config(path, block_size=6))
+
+
+@pytest.mark.parametrize("activations", ["none", "int8"])
+def test_packed_int8_weights_stay_close_to_the_exact_path(checkpoint: Callable, activations: str) -> None:
+    """The cpu backend's packed linears (the experts through the portable fused-MoE op, which
+    applies their clamp). Measured: the same 32 greedy tokens, mean |difference| 0.02 (float
+    activations) and 0.04 (int8) on logits of std 0.8."""
+    path, _ = checkpoint("deepseek_v4")
+    exact = Driver(ModelRunner(worker_config(path)))
+    exact_rows = torch.stack(decode(exact, 1, PROMPT, TOKENS))
+    config = worker_config(path, quantization="int8", activation_quantization=activations)
+    packed = Driver(ModelRunner(config))
+    rows = torch.stack(decode(packed, 1, PROMPT, TOKENS))
+    assert type(packed.runner.model.model.layers[1].attn.wq_a).__name__ == "QuantLinear"
+    agree = (rows.argmax(-1) == exact_rows.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"top-1 agrees on {agree:.0%} of the positions"
+    assert (rows - exact_rows).abs().mean() < 0.1
