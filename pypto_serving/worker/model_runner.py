@@ -133,14 +133,17 @@ class ModelRunner:
         if not seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.arch.vocab_size)
         batch = prepare(seqs, states, self.block_size, self.device)
+        sampled = row_states(seqs, states)
+        # Built before the forward: a copy to an accelerator from the host waits for the
+        # stream, which after the forward is queued would mean waiting for the forward
+        tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars) \
+            if sampled and not self.tp.rank else None
         self.backend.after_step(batch.attn.all_decode)
         hidden = self._hidden(batch, self.kv_caches)
         logits = self._sample_logits(batch, hidden)
         prompt = score_prompts(seqs, states, hidden, self.model.compute_logits)
-        sampled = row_states(seqs, states)
-        if not sampled or self.tp.rank:  # the other ranks have joined every collective
+        if tensors is None:  # nothing sampled, or a rank other than 0 (it joined every collective)
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
-        tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars)
         out, seq_ids = sample(logits, tensors, self.backend.argmax), batch.sample_seq_ids
         if any(s.num_draft for s in seqs):
             keep = verify(seqs, states, out.token_ids.tolist())
