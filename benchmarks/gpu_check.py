@@ -7,8 +7,10 @@ no internet (run by benchmarks/gpu_check.sh, which installs the carried wheels f
     the portable backend on the CPU: greedy tokens equal for 32 steps in float32, logprobs
     within bf16 tolerance in bfloat16;
 (b) speed: a random model of Qwen2.5-Coder-0.5B's shape (the GGUF files are larger than what a
-    device run can carry) in bfloat16: the decode step at batch 1, 16, 64, 256 and a 2,048-token
-    prefill, through the model runner, with the prefill's share of the bf16 tensor-core peak;
+    device run can carry) in bfloat16: a 2,048-token prefill, with its share of the bf16
+    tensor-core peak, and the decode step at batch 1, 16, 64, 256, once replaying the decode
+    graphs and once with --enforce-eager, through the model runner (start-up time, captured
+    sizes and the KV budget's arithmetic of each runner too);
 (c) serving: the real HTTP server on that model (a word-level tokenizer over its whole
     vocabulary, so random token prompts decode), 256 concurrent streams of 128-token prompts
     and 256 new tokens: output tok/s, TTFT p50/p99, TPOT p50.
@@ -75,12 +77,13 @@ def correctness(tmp: Path, backend: str, device: str) -> bool:
     return ok
 
 
-def _runner(path: Path, backend: str, device: str, batch: int, budget: int) -> ModelRunner:
+def _runner(path: Path, backend: str, device: str, batch: int, budget: int, eager: bool) -> ModelRunner:
     dtype = "bfloat16" if backend == "cuda" else "float32"
     cfg = worker_config(path, backend=backend, device=device, dtype=dtype, block_size=16,
                         max_num_blocks=batch * 12 + 160, kv_cache_bytes=1 << 30, max_num_seqs=batch,
                         max_model_len=budget + 64, max_num_batched_tokens=budget)
-    return ModelRunner(cfg)
+    return ModelRunner(msgspec.structs.replace(cfg, device=msgspec.structs.replace(cfg.device,
+                                                                                   enforce_eager=eager)))
 
 
 def _sync(device: str) -> None:
@@ -90,7 +93,23 @@ def _sync(device: str) -> None:
 
 def speed(path: Path, backend: str, device: str, batches: list[int], prefill: int,
           flops_per_token: float) -> None:
-    runner = _runner(path, backend, device, max(batches), prefill)
+    """The prefill once (eager either way), the decode steps with the decode graphs and with
+    --enforce-eager, each on a runner of its own."""
+    for eager in (False, True):
+        t0 = time.perf_counter()
+        runner = _runner(path, backend, device, max(batches), prefill, eager)
+        emit(runner="eager" if eager else "graphs", graph_sizes=runner.graph_sizes,
+             start_s=round(time.perf_counter() - t0, 2), kv_budget=runner.budget.how)
+        if not eager:
+            prefill_speed(runner, device, prefill, flops_per_token)
+        for batch in batches:
+            decode_speed(runner, device, batch, "off" if eager or not runner.graph_sizes else "on")
+        del runner
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def prefill_speed(runner: ModelRunner, device: str, prefill: int, flops_per_token: float) -> None:
     seq = ScheduledSeq(0, list(range(1, prefill + 1)), 0, list(range(-(-prefill // 16))), True, reset=True,
                        num_prompt_tokens=prefill, sampling=SamplingParams())
     times = []
@@ -104,21 +123,25 @@ def speed(path: Path, backend: str, device: str, batches: list[int], prefill: in
     tflops = flops_per_token * prefill / (ms / 1000) / 1e12
     emit(measure=f"prefill {prefill} tokens", ms=round(ms, 2), tflops=round(tflops, 1),
          share_of_bf16_peak=round(tflops / BF16_PEAK_TFLOPS, 3))
-    for batch in batches:
-        plan = [ScheduledSeq(i, [5 + i] * 128, 0, list(range(i * 12, i * 12 + 12)), True, reset=True,
-                             num_prompt_tokens=128, sampling=SamplingParams()) for i in range(batch)]
-        result = runner.execute(StepPlan(100, plan, [0]))
-        laps = []
-        for step in range(24):
-            seqs = [ScheduledSeq(i, [result.token_ids[i]], 128 + step, [], True) for i in range(batch)]
-            _sync(device)
-            t0 = time.perf_counter()
-            result = runner.execute(StepPlan(101 + step, seqs))
-            _sync(device)
-            laps.append(time.perf_counter() - t0)
-        ms = statistics.median(laps[4:]) * 1000
-        emit(measure=f"decode step, batch {batch}", ms=round(ms, 3), tok_s=round(batch / ms * 1000))
-        runner.execute(StepPlan(200, [], list(range(batch))))
+
+
+def decode_speed(runner: ModelRunner, device: str, batch: int, graphs: str) -> None:
+    """The median of 20 decode steps of `batch` sequences 128 tokens in (after 4 warm-ups)."""
+    plan = [ScheduledSeq(i, [5 + i] * 128, 0, list(range(i * 12, i * 12 + 12)), True, reset=True,
+                         num_prompt_tokens=128, sampling=SamplingParams()) for i in range(batch)]
+    result = runner.execute(StepPlan(100, plan, [0]))
+    laps = []
+    for step in range(24):
+        seqs = [ScheduledSeq(i, [result.token_ids[i]], 128 + step, [], True) for i in range(batch)]
+        _sync(device)
+        t0 = time.perf_counter()
+        result = runner.execute(StepPlan(101 + step, seqs))
+        _sync(device)
+        laps.append(time.perf_counter() - t0)
+    ms = statistics.median(laps[4:]) * 1000
+    emit(measure=f"decode step, batch {batch}", cuda_graphs=graphs, ms=round(ms, 3),
+         tok_s=round(batch / ms * 1000))
+    runner.execute(StepPlan(200, [], list(range(batch))))
 
 
 def word_tokenizer(path: Path, vocab: int) -> None:

@@ -95,3 +95,31 @@ def test_dp_splits_the_devices_into_one_group_per_replica(smollm2) -> None:
     with pytest.raises(FlagError, match="--dp x --tp is 2"):
         build_settings(build_parser().parse_args(["--model", "smollm2", "--dp", "2", "--device", "0"]),
                        smollm2)
+
+
+def test_enforce_eager_reaches_the_worker(smollm2) -> None:
+    assert worker(smollm2, "--enforce-eager").device.enforce_eager is True
+    assert worker(smollm2).device.enforce_eager is False
+
+
+def test_the_startup_log_says_whether_decode_steps_replay_graphs_and_how_the_kv_was_sized() -> None:
+    from types import SimpleNamespace
+
+    from structlog.testing import capture_logs
+
+    from pypto_serving.app.launch import _kv_cache_summary, graphs_line
+    from pypto_serving.messages.worker import WorkerReady
+
+    assert graphs_line("cuda", False, [1, 2, 4]) == "on, decode batches of 1, 2, 4 (padded up to the next)"
+    assert graphs_line("cuda", True, []) == "off (--enforce-eager)"
+    assert graphs_line("cpu", False, []) == "off (backend cpu: every step eager)"
+    assert graphs_line("cuda", False, []).startswith("off (tensor parallelism or a mixture of experts")
+    ready = WorkerReady(100, 0, 3 << 29, kv_budget="0.9 x 80.00 GiB = ...", graph_sizes=[1, 2])
+    worker_cfg = SimpleNamespace(kv_cache=SimpleNamespace(block_size=16),
+                                 device=SimpleNamespace(enforce_eager=False))
+    settings = SimpleNamespace(backend="cuda", engine=SimpleNamespace(worker=worker_cfg))
+    with capture_logs() as logs:
+        _kv_cache_summary(settings, SimpleNamespace(engines=[SimpleNamespace(ready=ready)]))
+    assert [e["event"] for e in logs] == [
+        "KV cache: 100 blocks of 16 tokens", "KV cache size: 1.50 GiB; budget 0.9 x 80.00 GiB = ...",
+        "CUDA graphs: on, decode batches of 1, 2 (padded up to the next)"]

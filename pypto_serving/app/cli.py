@@ -120,7 +120,8 @@ def _vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-log-requests", action="store_true", dest="log_requests",
                    help="vLLM's name for --log-requests")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="accepted: every step runs eagerly (there are no CUDA graphs yet)")
+                   help="no CUDA graphs: decode steps on --backend cuda run eagerly, as every "
+                        "step does on the other backends (starts faster, decodes slower)")
     p.add_argument("--uvicorn-log-level", type=_uvicorn_level, dest="log_level", default=argparse.SUPPRESS,
                    help="vLLM's name for the log level: critical, error, warning, info, debug, trace")
     for flag in REFUSED_VLLM_FLAGS:

@@ -200,10 +200,7 @@ def _startup_summary(settings: ServerSettings, replicas: ReplicaSet, endpoints: 
     if settings.profile is not None:
         log.info(f"Profiling: levels {','.join(settings.profile.levels)}, "
                  f"output {settings.profile.output}")
-    blocks = [e.ready.num_blocks for e in replicas.engines]
-    where = "".join(f", {n} on replica {i}" for i, n in enumerate(blocks) if i)
-    where = f" on replica 0{where}" if dp > 1 else ""
-    log.info(f"KV cache: {blocks[0]} blocks of {cfg.cache.block_size} tokens{where}")
+    _kv_cache_summary(settings, replicas)
     log.info(f"Shutdown timeout: {settings.shutdown_timeout:g} s")
     admission, limits, edge = cfg.admission, settings.http, settings.edge
     log.info(f"Bounds: queue {admission.max_queue_len or 'unbounded'}, request timeout "
@@ -286,3 +283,25 @@ async def _run_one(replicas: ReplicaSet, request: GenerateRequest) -> tuple[str,
             case Finished():
                 return "".join(text), ids, event
     raise RuntimeError("stream ended without Finished")
+
+
+def _kv_cache_summary(settings: ServerSettings, replicas: ReplicaSet) -> None:
+    """The KV cache (blocks, bytes, how its budget was found) and the decode graphs."""
+    blocks = [e.ready.num_blocks for e in replicas.engines]
+    where = "".join(f", {n} on replica {i}" for i, n in enumerate(blocks) if i)
+    where = f" on replica 0{where}" if len(blocks) > 1 else ""
+    ready, worker = replicas.engines[0].ready, settings.engine.worker
+    log.info(f"KV cache: {blocks[0]} blocks of {worker.kv_cache.block_size} tokens{where}")
+    log.info(f"KV cache size: {ready.kv_cache_bytes / (1 << 30):.2f} GiB{' per replica' if where else ''}; "
+             f"budget {ready.kv_budget or 'not reported'}")
+    log.info(f"CUDA graphs: {graphs_line(settings.backend, worker.device.enforce_eager, ready.graph_sizes)}")
+
+
+def graphs_line(backend: str, enforce_eager: bool, sizes: list[int]) -> str:
+    """Whether decode steps replay captured graphs, and why not where they do not."""
+    if sizes:
+        return f"on, decode batches of {', '.join(map(str, sizes))} (padded up to the next)"
+    if enforce_eager:
+        return "off (--enforce-eager)"
+    return "off (tensor parallelism or a mixture of experts: eager)" if backend == "cuda" else \
+        f"off (backend {backend}: every step eager)"

@@ -339,7 +339,8 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
     return WorkerConfig(
         model=ModelConfig(str(source.path), ModelFormat(source.format), source.arch),
         device=DeviceConfig(BackendName(backend), device, DType(dtype),
-                            DType(_kv_dtype(args, dtype, quantization)), _threads(args, backend)),
+                            DType(_kv_dtype(args, dtype, quantization)), _threads(args, backend),
+                            args.enforce_eager),
         kv_cache=KVCacheConfig(block_size, _max_blocks(args, block_size),
                                args.kv_cache_memory or DEFAULT_CPU_KV_BYTES, args.gpu_memory_utilization),
         limits=StepLimits(args.max_num_seqs, args.max_model_len, step_budget(args, backend)),

@@ -1,19 +1,29 @@
 """The cuda backend: torch's kernels on an NVIDIA GPU, SDPA for prefill attention, paged decode
 attention in Triton (kernels/triton/: it reads the paged cache through the slot table) where
-Triton is installed, the KV cache sized from `--gpu-memory-utilization` after a forward of the
-largest step."""
+Triton is installed, all-decode steps replayed from CUDA graphs captured at start-up
+(backends/graphs.py; not with --enforce-eager), the KV cache sized from
+`--gpu-memory-utilization` after a forward of the largest step (backends/budget.py)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
-from pypto_serving.backends.portable import PortableBackend
+from pypto_serving.backends.budget import DeviceMemory, KVBudget, graph_reserve
+from pypto_serving.backends.graphs import (
+    NO_GRAPHS,
+    Capture,
+    CudaCapture,
+    DecodeGraphs,
+    GraphSpec,
+    graph_sizes,
+)
+from pypto_serving.backends.portable import KVCache, LargestStep, PortableBackend, StackRunner
 from pypto_serving.kernels import triton as triton_kernels
 from pypto_serving.kernels.decoder_ops import SDPA, DecoderOps, attend_sdpa_with
+from pypto_serving.models.llama import LlamaForCausalLM
 
 
 class CudaBackend(PortableBackend):
@@ -26,6 +36,7 @@ class CudaBackend(PortableBackend):
         return torch.cuda
 
     paged_triton: bool = True  # the Triton decode attention, where Triton is installed
+    cuda_graphs: bool = True  # decode steps from captured graphs (backends/graphs.py)
 
     def decoder_ops(self, packed: bool) -> DecoderOps:
         if not (self.paged_triton and triton_kernels.available()):
@@ -35,16 +46,34 @@ class CudaBackend(PortableBackend):
         kernel = functools.partial(paged_decode_attention, tensor_cores=self.device.type == "cuda")
         return DecoderOps(SDPA.rms_norm, SDPA.add_rms_norm, SDPA.silu_and_mul, attend_sdpa_with(kernel))
 
+    def graph_sizes(self, model: LlamaForCausalLM, max_num_seqs: int) -> tuple[int, ...]:
+        """The ladder up to --max-num-seqs, for dense models: a mixture-of-experts layer groups
+        its routes on the host (kernels/moe.py), which a graph cannot replay."""
+        if not self.cuda_graphs or model.arch.num_experts:
+            return ()
+        return graph_sizes(max_num_seqs)
+
+    def decode_graphs(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
+                      spec: GraphSpec, scratch_slot: int) -> StackRunner | None:
+        if not spec.sizes:
+            return None
+        return DecodeGraphs(model, kv_caches, spec, scratch_slot, self.device, self.capture())
+
+    def capture(self) -> Capture:
+        return CudaCapture(self.device)
+
     def kv_budget(self, host_bytes: int, utilization: float, weight_bytes: int,
-                  largest_step: Callable[[], None], sampler_bytes: int) -> int:
+                  largest_step: LargestStep, sampler_bytes: int, graphs: GraphSpec = NO_GRAPHS) -> KVBudget:
         """utilization x total device memory, less the weights, the largest step's peak
-        activations (measured by running it) and the sampler's copies of the logits."""
+        activations (measured by running it), the sampler's copies of the logits and what the
+        decode graphs will keep."""
         mem, device = self.memory, self.device
         mem.synchronize(device)
         mem.reset_peak_memory_stats(device)
         before = mem.memory_allocated(device)
-        largest_step()
+        tokens = largest_step()
         peak = mem.max_memory_allocated(device) - before
         mem.empty_cache()
         total = mem.mem_get_info(device)[1]
-        return int(utilization * total) - weight_bytes - peak - sampler_bytes
+        reserve = graph_reserve(peak, tokens, graphs.rows, graphs.width)
+        return DeviceMemory(total, utilization, weight_bytes, peak, sampler_bytes, reserve).budget()

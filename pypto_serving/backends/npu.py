@@ -14,6 +14,7 @@ class NpuBackend(CudaBackend):
     name = "npu"
     profiler_activities = ("cpu",)
     paged_triton = False  # Triton's kernels are CUDA's here (triton-ascend is another build)
+    cuda_graphs = False  # torch_npu's graphs (NPUGraph) are not wired in: every step eager
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
         import torch_npu  # noqa: F401  - only on Ascend machines; registers the npu device type

@@ -5,9 +5,9 @@ A backend is chosen once, in the device worker, from `--backend`. It owns what d
 between devices: weight packing and the kernels that read it (linears, embedding gathers),
 the decoder ops (norms, activation, rotary + KV write + attention, the fused-MoE op over a
 layer's experts: `DecoderOps.fused_moe`, kernels/moe.py), argmax, the optional
-whole-stack runner, KV cache allocation and its memory budget, the heap policy of the
-worker process, and the profiler's activities. Nothing outside `backends/` branches on the
-device type; the model runner calls these hooks.
+whole-stack runner, the optional decode graphs (backends/graphs.py), KV cache allocation and
+its memory budget, the heap policy of the worker process, and the profiler's activities.
+Nothing outside `backends/` branches on the device type; the model runner calls these hooks.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from pypto_serving.backends.budget import KVBudget, host_budget
+from pypto_serving.backends.graphs import NO_GRAPHS, GraphSpec
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import ACTIVATION_QUANTIZATIONS, PORTABLE_KERNELS, LayerFactory, QuantKernels
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+LargestStep = Callable[[], int]  # runs the largest step (freeing what it made); returns its tokens
 
 
 class StackRunner(Protocol):
@@ -72,6 +75,16 @@ class PortableBackend:
         """A runner of the whole stack in one call, where this backend has one that fits."""
         return None
 
+    def graph_sizes(self, model: LlamaForCausalLM, max_num_seqs: int) -> tuple[int, ...]:
+        """Decode batch sizes to capture as graphs at start-up (none here: every step eager)."""
+        return ()
+
+    def decode_graphs(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
+                      spec: GraphSpec, scratch_slot: int) -> StackRunner | None:
+        """The runner that replays them (`spec.sizes` from `graph_sizes`); padded rows write
+        their k/v to `scratch_slot`, which no sequence owns."""
+        return None
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
@@ -82,9 +95,10 @@ class PortableBackend:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def kv_budget(self, host_bytes: int, utilization: float, weight_bytes: int,
-                  largest_step: Callable[[], None], sampler_bytes: int) -> int:
-        """Bytes the KV cache may take: on the host, the `--kv-cache-memory` budget."""
-        return host_bytes
+                  largest_step: LargestStep, sampler_bytes: int, graphs: GraphSpec = NO_GRAPHS) -> KVBudget:
+        """Bytes the KV cache may take: on the host, the `--kv-cache-memory` budget (this
+        rank's share of it); `graphs`: the decode graphs that will be captured (none here)."""
+        return host_budget(host_bytes)
 
     # -- the worker's life ---------------------------------------------------------
     def before_loading(self) -> None:

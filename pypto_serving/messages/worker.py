@@ -67,6 +67,7 @@ class DeviceConfig(msgspec.Struct, frozen=True):
     dtype: DType
     kv_cache_dtype: DType = DType.AUTO
     threads: int = 0  # compute threads of each worker process on the host (0: torch's default)
+    enforce_eager: bool = False  # `--enforce-eager`: no decode graphs, every step eager
 
 
 class QuantConfig(msgspec.Struct, frozen=True):
@@ -266,6 +267,8 @@ class WorkerReady(msgspec.Struct, frozen=True, tag=True):
     # and "int8" only where the C kernels quantize the activations
     kernels: str = "portable"
     activation_quantization: str = "none"
+    kv_budget: str = ""  # how the KV cache's bytes were found (backends/budget.py)
+    graph_sizes: list[int] = []  # decode batch sizes replayed from captured graphs (none: eager)
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag=True):

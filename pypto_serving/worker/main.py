@@ -115,7 +115,7 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
     _freeze_loaded()
     conn.send_bytes(encoder.encode(
         WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes, runner.kernels,
-                    runner.activation_quantization)))
+                    runner.activation_quantization, runner.budget.how, runner.graph_sizes)))
     from pypto_serving.backends import BACKENDS
 
     activities = BACKENDS[cfg.device.backend].profiler_activities

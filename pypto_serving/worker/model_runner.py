@@ -9,6 +9,7 @@ rank 0 alone samples and answers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import msgspec
@@ -16,6 +17,9 @@ import structlog
 import torch
 
 from pypto_serving.backends import make_backend
+from pypto_serving.backends.budget import KVBudget
+from pypto_serving.backends.graphs import NO_GRAPHS, GraphSpec
+from pypto_serving.backends.portable import StackRunner
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels.sampling import SamplerOutput, sample
 from pypto_serving.loader.hf import count_safetensors, load_safetensors
@@ -100,14 +104,11 @@ class ModelRunner:
         self.seqs: dict[int, SeqState] = {}
         self._seeds = None if cfg.seed is None else torch.Generator().manual_seed(cfg.seed)
         self.grammars = Grammars(cfg.grammar.tokenizer_json, self.arch.vocab_size, cfg.grammar.eos_token_id)
-        block_bytes = bytes_per_block(self.model.local_arch, self.block_size, self.kv_dtype, self.dtype)
-        self.num_blocks = agree(num_kv_blocks(self._kv_budget(), block_bytes, cfg.kv_cache.max_num_blocks))
-        self.kv_cache_bytes = self.num_blocks * block_bytes
-        log.info("allocating the KV cache", blocks=self.num_blocks, mib=self.kv_cache_bytes >> 20,
-                 dtype=str(self.kv_dtype).removeprefix("torch."))
-        self.kv_caches = self._allocate(self.num_blocks)
-        # The whole-stack runner has no collectives inside: one rank only.
-        self.stack = self.backend.stack(self.model, self.kv_caches) if tp.size == 1 else None
+        graphs = self._graph_spec()
+        self.stack: StackRunner | None = None  # the profiling step runs the per-layer path
+        self.kv_caches = self._kv_cache(graphs, agree)
+        self.stack = self._stack(graphs)
+        self.graph_sizes = list(graphs.sizes) if self.stack is not None and graphs.sizes else []
         self.backend.after_loading()
 
     def idle(self) -> None:
@@ -134,14 +135,17 @@ class ModelRunner:
         if not seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.arch.vocab_size)
         batch = prepare(seqs, states, self.block_size, self.device)
+        sampled = row_states(seqs, states)
+        # Built before the forward: a copy to an accelerator from the host waits for the
+        # stream, which after the forward is queued would mean waiting for the forward
+        tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars) \
+            if sampled and not self.tp.rank else None
         self.backend.after_step(batch.attn.all_decode)
         hidden = self._hidden(batch, self.kv_caches)
         logits = self._sample_logits(batch, hidden)
         prompt = score_prompts(seqs, states, hidden, self.model.compute_logits)
-        sampled = row_states(seqs, states)
-        if not sampled or self.tp.rank:  # the other ranks have joined every collective
+        if tensors is None:  # nothing sampled, or a rank other than 0 (it joined every collective)
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
-        tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars)
         out, seq_ids = sample(logits, tensors, self.backend.argmax), batch.sample_seq_ids
         if any(s.num_draft for s in seqs):
             keep = verify(seqs, states, out.token_ids.tolist())
@@ -167,17 +171,56 @@ class ModelRunner:
         arch, bs = self.model.local_arch, self.block_size
         return allocate_kv_cache(arch, num_blocks, bs, self.kv_dtype, self.backend.zeros, self.dtype)
 
-    def _kv_budget(self) -> int:
+    def _kv_cache(self, graphs: GraphSpec, agree: Callable[[int], int]) -> list[LayerCache]:
+        """Sized from the backend's budget; with decode graphs one block more than the
+        allocator gets: their padded rows' scratch."""
+        block_bytes = bytes_per_block(self.model.local_arch, self.block_size, self.kv_dtype, self.dtype)
+        self.budget = self._kv_budget(graphs)
+        spare = 1 if graphs.sizes else 0
+        blocks = num_kv_blocks(self.budget.bytes - spare * block_bytes, block_bytes,
+                               self.cfg.kv_cache.max_num_blocks)
+        self.num_blocks = agree(blocks)
+        self.kv_cache_bytes = self.num_blocks * block_bytes
+        log.info("allocating the KV cache", blocks=self.num_blocks, mib=self.kv_cache_bytes >> 20,
+                 dtype=str(self.kv_dtype).removeprefix("torch."), budget=self.budget.how)
+        return self._allocate(self.num_blocks + spare)
+
+    def _graph_spec(self) -> GraphSpec:
+        """The decode graphs to capture: the backend's sizes, one rank only (the collectives
+        stay eager), none with --enforce-eager."""
+        if self.cfg.device.enforce_eager or self.tp.size > 1:
+            return NO_GRAPHS
+        sizes = self.backend.graph_sizes(self.model, self.cfg.limits.max_num_seqs)
+        width = -(-self.cfg.limits.max_model_len // self.block_size) * self.block_size
+        return GraphSpec(sizes, width) if sizes else NO_GRAPHS
+
+    @torch.inference_mode()
+    def _stack(self, graphs: GraphSpec) -> StackRunner | None:
+        """The decode graphs where there are any (captured now, over the allocated caches), else
+        the backend's whole-stack runner; neither has collectives inside: one rank only."""
+        if self.tp.size > 1:
+            return None
+        if graphs.sizes:
+            scratch = self.num_blocks * self.block_size  # the spare block's first slot
+            t0 = time.monotonic()
+            runner = self.backend.decode_graphs(self.model, self.kv_caches, graphs, scratch)
+            log.info("captured decode graphs", sizes=list(graphs.sizes),
+                     seconds=round(time.monotonic() - t0, 2))
+            return runner
+        return self.backend.stack(self.model, self.kv_caches)
+
+    def _kv_budget(self, graphs: GraphSpec = NO_GRAPHS) -> KVBudget:
         kv = self.cfg.kv_cache
         # The sampler holds a few [max_num_seqs, vocab] float32 copies of the logits.
         sampler_bytes = 8 * self.cfg.limits.max_num_seqs * self.arch.vocab_size * 4
         host_bytes = kv.host_bytes // self.tp.size  # the replica's budget, split over its ranks
         return self.backend.kv_budget(host_bytes, kv.gpu_memory_utilization, self.weight_bytes,
-                                      self._largest_step, sampler_bytes)
+                                      self._largest_step, sampler_bytes, graphs)
 
     @torch.inference_mode()
-    def _largest_step(self) -> None:
-        """One prefill of the whole token budget, on caches of its own (freed on return)."""
+    def _largest_step(self) -> int:
+        """One prefill of the whole token budget, on caches of its own (freed on return); its
+        tokens."""
         limits = self.cfg.limits
         tokens = min(limits.max_num_batched_tokens, limits.max_model_len)
         blocks = -(-tokens // self.block_size)
@@ -185,6 +228,7 @@ class ModelRunner:
         state = apply_scheduled({}, seq, self.device)
         batch = prepare([seq], [state], self.block_size, self.device)
         self._sample_logits(batch, self._hidden(batch, self._allocate(blocks)))
+        return tokens
 
 
 def fresh_blocks(seq: ScheduledSeq, block_size: int) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 from msgspec.structs import replace
 
@@ -148,3 +149,52 @@ def test_logprobs_are_of_the_raw_logits() -> None:
 def test_no_logprobs_computed_when_none_asked() -> None:
     out = run(torch.randn(2, 10), states([SamplingParams()] * 2))
     assert out.logprobs is None and out.top_ids is None
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's statistic of the draws' counts against `probs` (tokens of probability 0
+    must not be drawn at all)."""
+    counts = torch.bincount(tokens, minlength=probs.shape[0]).float()
+    assert counts[probs == 0].sum() == 0, "drew a token the settings remove"
+    expected = probs[probs > 0] * tokens.shape[0]
+    return float(((counts[probs > 0] - expected) ** 2 / expected).sum())
+
+
+def first(weights: torch.Tensor, k: int) -> torch.Tensor:
+    """The distribution over the k most likely tokens (weights sorted, descending)."""
+    kept = torch.cat([weights[:k], torch.zeros(weights.shape[0] - k)])
+    return kept / kept.sum()
+
+
+# 99.9% quantiles of chi-square (scipy.stats.chi2.ppf(0.999, df)): a right sampler fails one
+# run in a thousand; the draws are seeded, so a given run passes or fails every time
+CHI2_999 = {1: 10.83, 2: 13.82, 4: 18.47}
+
+
+@pytest.mark.parametrize(("params", "probs"), [
+    (SamplingParams(temperature=1.0), PROBS),
+    (SamplingParams(temperature=0.7), (LOGITS / 0.7).softmax(-1)),
+    (SamplingParams(temperature=1.0, top_k=3), first(PROBS, 3)),
+    (SamplingParams(temperature=1.0, top_p=0.85), first(PROBS, 3)),  # 0.5 + 0.3 < 0.85 <= + 0.1
+    (SamplingParams(temperature=2.0, top_k=2), first(PROBS.sqrt(), 2)),  # p^(1/T), then the cut
+])
+def test_draws_pass_a_chi_square_test_against_the_distribution_the_settings_ask_for(params, probs) -> None:
+    tokens = draws(params, 3000)
+    df = int((probs > 0).sum()) - 1
+    assert chi_square(tokens, probs) < CHI2_999[df]
+
+
+def test_the_chi_square_test_catches_a_sampler_that_ignores_temperature() -> None:
+    """The same 3000 draws against the untempered distribution: far outside its bound."""
+    assert chi_square(draws(SamplingParams(temperature=0.7), 3000), PROBS) > 5 * CHI2_999[4]
+
+
+def test_a_seeded_request_repeats_its_draws_step_after_step() -> None:
+    """Two sequences with the same seed, each through 40 steps of its own: the same tokens,
+    though the logits change every step (the generator advances once per step)."""
+    steps = torch.randn(40, 1, 32)
+    runs = []
+    for _ in range(2):
+        seq = states([SamplingParams(temperature=1.0, seed=1234)])
+        runs.append([run(logits, seq).token_ids.item() for logits in steps])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 5

@@ -165,6 +165,7 @@ def test_what_loading_made_is_out_of_the_collectors_sight(monkeypatch) -> None:
 
     class Loaded(Runner):
         num_blocks, weight_bytes, kv_cache_bytes, kernels, activation_quantization = 1, 0, 0, "c", "none"
+        budget, graph_sizes = SimpleNamespace(how="1.00 GiB"), []
 
     class Recording(FakeConn):
         def send_bytes(self, data: bytes) -> None:

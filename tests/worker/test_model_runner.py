@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pypto_serving.backends.cuda import CudaBackend
+from pypto_serving.backends.graphs import GraphSpec
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.messages.worker import PLACEHOLDER, ScheduledSeq, StepPlan
 from pypto_serving.worker.kv_cache import bytes_per_block
@@ -171,11 +172,14 @@ def test_accelerator_budget_leaves_room_for_weights_and_activations(checkpoint, 
     sampler = 8 * cfg.limits.max_num_seqs * cfg.model.arch.vocab_size * 4
     activations = 5_000 + sampler
     util = cfg.kv_cache.gpu_memory_utilization
-    assert runner._kv_budget() == int(util * 10_000_000) - runner.weight_bytes - activations
+    assert runner._kv_budget().bytes == int(util * 10_000_000) - runner.weight_bytes - activations
     assert fake.calls == ["synchronize", "reset", "empty_cache"]
     assert runner.seqs == {}  # the profiling sequence leaves no state behind
-    budget = CudaBackend("cpu", torch.float32).kv_budget(0, 0.5, 100, lambda: None, 200)
-    assert budget == 5_000_000 - 100 - 5_000 - 200  # util x total - weights - peak - sampler
+    budget = CudaBackend("cpu", torch.float32).kv_budget(0, 0.5, 100, lambda: 40, 200)
+    assert budget.bytes == 5_000_000 - 100 - 5_000 - 200  # util x total - weights - peak - sampler
+    graphs = GraphSpec((1, 2, 4), 64)  # 4 rows of the 40-token step's 5_000 bytes, 4 x 68 + 64 slots
+    budget = CudaBackend("cpu", torch.float32).kv_budget(0, 0.5, 100, lambda: 40, 200, graphs)
+    assert budget.bytes == 5_000_000 - 100 - 5_000 - 200 - (500 + 8 * (4 * 68 + 64))
 
 
 def test_server_seed_makes_unseeded_requests_repeatable(driver) -> None:
