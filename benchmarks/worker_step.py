@@ -1,4 +1,5 @@
-"""Times the device worker's decode step alone (no HTTP, no pipe) on GGUF models.
+"""Times the device worker's decode step alone (no HTTP, no pipe) on GGUF models (or HF
+checkpoint directories, e.g. a random one of a family's shape from `benchmarks.random_models`).
 
     python -m benchmarks.worker_step [--model PATH|NAME ...] [--batch 1 16] [--steps 64]
         [--prompt 128] [--quantization auto] [--activation-quantization int8] [--profile]
@@ -18,10 +19,14 @@ import cProfile
 import pstats
 import statistics
 import time
+from pathlib import Path
+
+import torch
 
 from pypto_serving.app.packaged_models import resolve_short_name
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.loader.gguf_file import arch_from_gguf
+from pypto_serving.loader.hf import arch_from_hf_config, load_hf_config
 from pypto_serving.messages.worker import (
     ActivationQuantization,
     BackendName,
@@ -37,6 +42,7 @@ from pypto_serving.messages.worker import (
     StepPlan,
     WorkerConfig,
 )
+from pypto_serving.worker.kv_cache import bytes_per_block
 from pypto_serving.worker.model_runner import ModelRunner
 
 BLOCK = 16
@@ -45,11 +51,14 @@ MAX_LEN = 1024  # the runner's max_model_len: the prompt and every step must fit
 
 def runner_for(path: str, max_seqs: int, quantization: str, activations: str) -> ModelRunner:
     packed = quantization != "none"
+    hf = Path(path).is_dir()
+    arch = arch_from_hf_config(load_hf_config(path)) if hf else arch_from_gguf(path)
+    blocks, kv_dtype = max_seqs * MAX_LEN // BLOCK, torch.float16 if packed else torch.float32
     return ModelRunner(WorkerConfig(
-        model=ModelConfig(path, ModelFormat.GGUF, arch_from_gguf(path)),
+        model=ModelConfig(path, ModelFormat.HF if hf else ModelFormat.GGUF, arch),
         device=DeviceConfig(BackendName.CPU, "cpu", DType.FLOAT32,
                             DType.FLOAT16 if packed else DType.FLOAT32),
-        kv_cache=KVCacheConfig(BLOCK, max_seqs * MAX_LEN // BLOCK, host_bytes=1 << 28),
+        kv_cache=KVCacheConfig(BLOCK, blocks, blocks * bytes_per_block(arch, BLOCK, kv_dtype, torch.float32)),
         limits=StepLimits(max_num_seqs=max_seqs, max_model_len=MAX_LEN, max_num_batched_tokens=4096),
         quant=QuantConfig(Quantization(quantization),
                           ActivationQuantization(activations if packed else "none"))))
@@ -86,7 +95,7 @@ class Decoder:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", nargs="+", default=["smollm2"],
-                   help="GGUF paths or packaged short names (default: smollm2)")
+                   help="GGUF paths, HF checkpoint directories or packaged short names (default: smollm2)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens of each sequence")
