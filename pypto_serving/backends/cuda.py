@@ -1,7 +1,9 @@
-"""The cuda backend: torch's kernels on an NVIDIA GPU, SDPA for prefill attention, paged decode
-attention in Triton (kernels/triton/: it reads the paged cache through the slot table) where
-Triton is installed, all-decode steps replayed from CUDA graphs captured at start-up
-(backends/graphs.py; not with --enforce-eager), the KV cache sized from
+"""The cuda backend: torch's kernels on an NVIDIA GPU, SDPA for prefill attention; where Triton
+is installed, paged decode attention in Triton (kernels/triton/: it reads the paged cache
+through the slot table) and the elementwise kernels fused in Triton (RMSNorm with the residual
+add, SiLU-and-mul, rotary with the KV write: kernels/triton/fused.py); all-decode steps
+replayed from CUDA graphs captured at start-up (backends/graphs.py; not with
+--enforce-eager), the KV cache sized from
 `--gpu-memory-utilization` after a forward of the largest step (backends/budget.py)."""
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ class CudaBackend(PortableBackend):
     def decoder_ops(self, packed: bool) -> DecoderOps:
         if not (self.paged_triton and triton_kernels.available()):
             return SDPA
+        from pypto_serving.kernels.triton import fused
         from pypto_serving.kernels.triton.paged_attention import paged_decode_attention
 
         kernel = functools.partial(paged_decode_attention, tensor_cores=self.device.type == "cuda")
-        return DecoderOps(SDPA.rms_norm, SDPA.add_rms_norm, SDPA.silu_and_mul, attend_sdpa_with(kernel))
+        return DecoderOps(fused.rms_norm, fused.add_rms_norm, fused.silu_and_mul,
+                          attend_sdpa_with(kernel, fused.rotate_and_store))
 
     def graph_sizes(self, model: LlamaForCausalLM, max_num_seqs: int) -> tuple[int, ...]:
         """The ladder up to --max-num-seqs, for dense models: a mixture-of-experts layer groups

@@ -48,20 +48,30 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                         torch.Tensor]
 
 
-def attend_sdpa_with(decode_kernel: DecodeKernel) -> Attend:
+# (q, k, v [T, heads, d], rotary, kv, slot_mapping) -> the rotated q; k, v stored
+RotateStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Rotary, KVCache, torch.Tensor],
+                       torch.Tensor]
+
+
+def attend_sdpa_with(decode_kernel: DecodeKernel, rotate_store: RotateStore | None = None) -> Attend:
     """`attend_sdpa` with `decode_kernel` for the single-query rows (a paged kernel that reads
-    the cache through the slot table, instead of the portable gather)."""
+    the cache through the slot table, instead of the portable gather) and, when given,
+    `rotate_store` for rotary and the KV write (one fused kernel)."""
     def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary, kv: KVCache,
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
         def prefill(pq: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
-            return sdpa_prefill_attention(pq, kv[0], kv[1], ctx_slots, scale)
+            return sdpa_prefill_attention(pq, kv[0], kv[1], ctx_slots, scale, meta.window)
 
         def decode(dq: torch.Tensor) -> torch.Tensor:
             return decode_kernel(dq, kv[0], kv[1], meta.decode_slots, meta.decode_lens, scale)
 
-        q = _rotate_and_store(q, k, v, rotary, kv, meta)
-        return paged_attention(q, kv[0], kv[1], meta, scale, decode if meta.decode_lens is not None else None,
-                               prefill)
+        if rotate_store is not None:
+            q = rotate_store(q, k, v, rotary, kv, meta.slot_mapping)
+        else:
+            q = _rotate_and_store(q, k, v, rotary, kv, meta)
+        # the paged kernel reads every key of its rows: a sliding window's rows take the portable one
+        paged = meta.decode_lens is not None and not meta.window
+        return paged_attention(q, kv[0], kv[1], meta, scale, decode if paged else None, prefill)
 
     return attend_paged
 
