@@ -36,8 +36,8 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: RopeScalin
         turns = s.original_max_position_embeddings / (rotations * 2 * math.pi)
         return dim * math.log(turns) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    low = max(math.floor(correction_dim(s.fast_rotations)), 0)
+    high = min(math.ceil(correction_dim(s.slow_rotations)), dim - 1)
     high = high + 0.001 if low == high else high
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # the share of the unscaled frequency

@@ -20,8 +20,8 @@ class RopeScaling(msgspec.Struct, frozen=True):
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    fast_rotations: float = 32.0  # YaRN's beta_fast
+    slow_rotations: float = 1.0  # beta_slow
 
 
 class DeepseekV4Shape(msgspec.Struct, frozen=True):

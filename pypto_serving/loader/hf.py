@@ -208,8 +208,8 @@ def _yarn_scaling(params: dict[str, Any]) -> RopeScaling | None:
         raise UnsupportedModel("unsupported YaRN attention_factor != 1 (DeepSeek V4 leaves cos/sin unscaled)")
     return RopeScaling(kind="yarn", factor=float(params.get("factor") or 1.0),
                        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-                       beta_fast=float(params.get("beta_fast") or 32),
-                       beta_slow=float(params.get("beta_slow") or 1))
+                       fast_rotations=float(params.get("beta_fast") or 32),
+                       slow_rotations=float(params.get("beta_slow") or 1))
 
 
 def _gemma3_layer_types(config: dict[str, Any], layers: int) -> list[str]:
