@@ -40,6 +40,7 @@ class StackRunner(Protocol):
 class PortableBackend:
     name: ClassVar[str] = "portable"
     profiler_activities: ClassVar[tuple[str, ...]] = ("cpu",)
+    block_tables: ClassVar[bool] = False  # the step's metadata carries block tables for its kernels
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
         self.device, self.dtype = torch.device(device), dtype
