@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=_device_list, default=None, help="comma list of device ids")
     p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1,
                    help="devices per replica: the model's heads, MLP and vocabulary split over them "
-                        "(torch.distributed: gloo on the CPU, nccl on CUDA)")
+                        "(torch.distributed: gloo on the CPU, nccl on CUDA, hccl on an NPU)")
     p.add_argument("--data-parallel-size", "--dp", type=_positive_int, default=1,
                    help="replicas, each with its own scheduler, KV cache and --tp devices; a "
                         "request goes to the one with the fewest pending tokens (default 1)")
@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=_positive_int, default=1024,
                    help="prompt plus generated tokens per request (default 1024)")
     p.add_argument("--block-size", type=_positive_int, default=None,
-                   help="KV page size in tokens (default 16, 128 on npu)")
+                   help="KV page size in tokens (default 16; on npu 128, and 128, 256, 384 or 512: "
+                        "torch_npu's paged attention)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=16,
                    help="running requests (per --dp replica; default 16)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
@@ -204,8 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split long prompts over steps (default on)")
     p.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="KV cache budget on the CPU, e.g. 1GiB, for each --dp replica (default 1GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of accelerator memory for weights and KV cache")
+    p.add_argument("--gpu-memory-utilization", "--npu-memory-utilization", type=float, default=0.9,
+                   dest="gpu_memory_utilization",
+                   help="fraction of accelerator memory (cuda or npu) for weights, activations and KV "
+                        "cache (default 0.9)")
     p.add_argument("--generate-config", default=None,
                    help="server sampling defaults: a JSON object or @path.json")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,

@@ -53,6 +53,10 @@ class FlagError(ValueError):
 DEFAULT_CPU_KV_BYTES = 1 << 30
 _BLOCK_SIZES = {"portable": 16, "cpu": 16, "cuda": 16, "npu": 128}
 _DTYPES = {"portable": "float32", "cpu": "float32", "cuda": "bfloat16", "npu": "bfloat16"}
+# torch_npu's paged fused attention (kernels/npu.py): pages of 128 to 512 tokens in steps of
+# 128, float16 or bfloat16 blocks under float16/bfloat16 compute
+_PAGE_SIZES = {"npu": (128, 256, 384, 512)}
+_HALF_KV = ("npu",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +240,22 @@ def _activation_quantization(args: argparse.Namespace, backend: str, dtype: str,
     return args.activation_quantization
 
 
+def block_size_of(args: argparse.Namespace, backend: str) -> int:
+    """--block-size, else the backend's; on npu one its fused attention's pages may be."""
+    size = args.block_size or _BLOCK_SIZES[backend]
+    allowed = _PAGE_SIZES.get(backend)
+    if allowed and size not in allowed:
+        raise FlagError(f"--block-size {size}: the {backend} backend's paged attention takes pages of "
+                        f"{', '.join(map(str, allowed))} tokens")
+    return size
+
+
+def _check_kv_dtype(backend: str, dtype: str, kv_dtype: str) -> None:
+    if backend in _HALF_KV and dtype != "float32" and kv_dtype == "float32":
+        raise FlagError(f"--kv-cache-dtype float32 with --dtype {dtype}: the {backend} backend's fused "
+                        "attention reads float16 or bfloat16 KV blocks (use --kv-cache-dtype auto)")
+
+
 def _kv_dtype(args: argparse.Namespace, dtype: str, quantization: str) -> str:
     """Packed weights on the CPU keep the KV cache in float16 (half the memory and reads)."""
     if args.kv_cache_dtype != "auto":
@@ -264,6 +284,7 @@ def check_flags(args: argparse.Namespace) -> tuple[str, tuple[tuple[int, ...], .
     except GenerateConfigError as exc:
         raise FlagError(f"--generate-config: {exc}") from None
     backend = pick_backend(args.backend)
+    block_size_of(args, backend)
     _check_nodes(args)
     _scheduler(args, backend)
     _profile(args)
@@ -279,7 +300,7 @@ def build_settings(args: argparse.Namespace, source: ModelSource) -> ServerSetti
     reason = check_divisible(source.arch, args.tensor_parallel_size)
     if reason is not None:
         raise FlagError(f"--tensor-parallel-size {args.tensor_parallel_size}: {reason}")
-    block_size = args.block_size or _BLOCK_SIZES[backend]
+    block_size = block_size_of(args, backend)
     worker = _worker(args, source, backend, groups[0], block_size)
     cache = CacheConfig(block_size, args.enable_prefix_caching)
     engine = EngineConfig(worker, _scheduler(args, backend), cache,
@@ -335,11 +356,13 @@ def _worker(args: argparse.Namespace, source: ModelSource, backend: str, devices
             block_size: int) -> WorkerConfig:
     dtype = _DTYPES[backend] if args.dtype == "auto" else args.dtype
     quantization = _quantization(args, backend)
+    kv_dtype = _kv_dtype(args, dtype, quantization)
+    _check_kv_dtype(backend, dtype, kv_dtype)
     device = device_string(backend, devices[0])
     return WorkerConfig(
         model=ModelConfig(str(source.path), ModelFormat(source.format), source.arch),
         device=DeviceConfig(BackendName(backend), device, DType(dtype),
-                            DType(_kv_dtype(args, dtype, quantization)), _threads(args, backend),
+                            DType(kv_dtype), _threads(args, backend),
                             args.enforce_eager),
         kv_cache=KVCacheConfig(block_size, _max_blocks(args, block_size),
                                args.kv_cache_memory or DEFAULT_CPU_KV_BYTES, args.gpu_memory_utilization),

@@ -5,8 +5,9 @@ A backend is chosen once, in the device worker, from `--backend`. It owns what d
 between devices: weight packing and the kernels that read it (linears, embedding gathers),
 the decoder ops (norms, activation, rotary + KV write + attention, the fused-MoE op over a
 layer's experts: `DecoderOps.fused_moe`, kernels/moe.py), argmax, the optional
-whole-stack runner, the optional decode graphs (backends/graphs.py), KV cache allocation and
-its memory budget, the heap policy of the worker process, and the profiler's activities.
+whole-stack runner, the optional decode graphs (backends/graphs.py), whether the step's
+metadata carries block tables for its kernels, KV cache allocation and its memory budget, the
+heap policy of the worker process, and the profiler's activities.
 Nothing outside `backends/` branches on the device type; the model runner calls these hooks.
 """
 
@@ -40,6 +41,7 @@ class StackRunner(Protocol):
 class PortableBackend:
     name: ClassVar[str] = "portable"
     profiler_activities: ClassVar[tuple[str, ...]] = ("cpu",)
+    block_tables: ClassVar[bool] = False  # the step's metadata carries block tables for its kernels
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype) -> None:
         self.device, self.dtype = torch.device(device), dtype

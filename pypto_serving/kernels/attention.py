@@ -31,6 +31,16 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockTables:
+    """The step's block tables, for kernels that read the paged cache through them rather
+    than through slots (the npu backend's fused attention); built once per step."""
+
+    decode: torch.Tensor | None  # [Bd, max blocks] int32, the single-query rows' (padded with 0)
+    decode_lens: tuple[int, ...]  # their context lengths, on the host
+    prefills: tuple[torch.Tensor, ...]  # [1, blocks] int32 of each prefill segment, in order
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each token's k/v is written
     decode_rows: torch.Tensor | None  # [Bd] flattened row of each single-query sequence
@@ -40,6 +50,7 @@ class AttentionMetadata:
     all_decode: bool  # every row is a single-query sequence, in order: no scatter needed
     decode_lens: torch.Tensor | None = None  # [Bd] context length of each single-query sequence
     window: int = 0  # keys a query sees, itself included (0: all); decode_mask already has it
+    tables: BlockTables | None = None  # the same context as block tables (None: slots only)
 
 
 def with_window(meta: AttentionMetadata, window: int) -> AttentionMetadata:

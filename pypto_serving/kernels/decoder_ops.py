@@ -1,6 +1,7 @@
 """The kernels a decoder layer is made of, as one swappable set that a backend picks
-(backends/): portable torch (`PORTABLE`), SDPA prefill for the accelerators (`SDPA`), or the
-cpu backend's fused C kernels (kernels/cpu/decoder.py, kernels/cpu/moe.py).
+(backends/): portable torch (`PORTABLE`), SDPA prefill for the accelerators (`SDPA`), the
+cpu backend's fused C kernels (kernels/cpu/decoder.py, kernels/cpu/moe.py), or the npu
+backend's torch_npu operators (kernels/npu.py).
 
 `attend` covers rotary -> KV write -> paged attention, so the CPU set can rotate q and k in
 place inside the fused qkv projection and write the cache in the same pass.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pypto_serving.kernels.attention import AttentionMetadata, PrefillSegment
+from pypto_serving.kernels.attention import AttentionMetadata, BlockTables, PrefillSegment
 from pypto_serving.kernels.paged_kv import context_slots, slots_of_positions
 from pypto_serving.messages.worker import ScheduledSeq
 from pypto_serving.worker.seq_state import SeqState
@@ -26,9 +26,11 @@ class StepBatch:
 
 
 def prepare(
-    seqs: list[ScheduledSeq], states: list[SeqState], block_size: int, device: torch.device
+    seqs: list[ScheduledSeq], states: list[SeqState], block_size: int, device: torch.device,
+    block_tables: bool = False,
 ) -> StepBatch:
-    """`states[i]` is `seqs[i]`'s state, already updated for this step."""
+    """`states[i]` is `seqs[i]`'s state, already updated for this step; `block_tables`: the
+    metadata also carries the context as block tables (the backend's kernels read them)."""
     q_lens = [len(s.token_ids) for s in seqs]
     starts = _cumsum(q_lens)
     ctx_lens = [s.start_pos + n for s, n in zip(seqs, q_lens, strict=True)]
@@ -41,7 +43,7 @@ def prepare(
     return StepBatch(
         input_ids=_ints([t for s in seqs for t in s.token_ids], device),
         positions=positions,
-        attn=_attention_metadata(seqs, slot_mapping, tables, starts, block_size),
+        attn=_attention_metadata(seqs, slot_mapping, tables, starts, block_size, block_tables),
         sample_rows=_ints([row for _, row in sampled], device),
         sample_seq_ids=[seqs[i].seq_id for i, _ in sampled],
     )
@@ -53,6 +55,7 @@ def _attention_metadata(
     tables: torch.Tensor,
     starts: list[int],
     block_size: int,
+    block_tables: bool = False,
 ) -> AttentionMetadata:
     single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
     ctx_lens = [s.start_pos + len(s.token_ids) for s in seqs]
@@ -66,8 +69,20 @@ def _attention_metadata(
         for i, s in enumerate(seqs)
         if len(s.token_ids) > 1
     )
+    paged = _block_tables(tables, single, ctx_lens, block_size) if block_tables else None
     return AttentionMetadata(slot_mapping, *decode, prefills, all_decode=len(single) == len(seqs),
-                             decode_lens=lens)
+                             decode_lens=lens, tables=paged)
+
+
+def _block_tables(tables: torch.Tensor, single: list[int], ctx_lens: list[int],
+                  block_size: int) -> BlockTables:
+    """The decode rows' tables and each prefill segment's, int32 as the fused kernels take them."""
+    index = torch.tensor(single, device=tables.device)
+    decode = tables[index].int() if single else None
+    singles = set(single)
+    prefills = tuple(tables[i : i + 1, : -(-n // block_size)].int()
+                     for i, n in enumerate(ctx_lens) if i not in singles)
+    return BlockTables(decode, tuple(ctx_lens[i] for i in single), prefills)
 
 
 def _decode_group(

@@ -134,7 +134,7 @@ class ModelRunner:
         forget_blocks(self.kv_caches, [b for s in seqs for b in fresh_blocks(s, self.block_size)])
         if not seqs:
             return StepResult(plan.step_id, [], []), torch.empty(0, self.arch.vocab_size)
-        batch = prepare(seqs, states, self.block_size, self.device)
+        batch = prepare(seqs, states, self.block_size, self.device, self.backend.block_tables)
         sampled = row_states(seqs, states)
         # Built before the forward: a copy to an accelerator from the host waits for the
         # stream, which after the forward is queued would mean waiting for the forward
@@ -226,7 +226,7 @@ class ModelRunner:
         blocks = -(-tokens // self.block_size)
         seq = _dummy_seq(tokens, blocks)
         state = apply_scheduled({}, seq, self.device)
-        batch = prepare([seq], [state], self.block_size, self.device)
+        batch = prepare([seq], [state], self.block_size, self.device, self.backend.block_tables)
         self._sample_logits(batch, self._hidden(batch, self._allocate(blocks)))
         return tokens
 

@@ -126,6 +126,7 @@ class Driver:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.block_size = runner.block_size
         self.next_block = 0
         self.step_id = 0
         self.tokens: dict[int, list[int]] = {}  # every known token of each sequence
@@ -146,7 +147,7 @@ class Driver:
         shared_blocks: Sequence[int] = (),
     ) -> ScheduledSeq:
         """First chunk of a new sequence; `shared_blocks` are prefix-cache hits (full blocks)."""
-        start = len(shared_blocks) * BLOCK_SIZE
+        start = len(shared_blocks) * self.block_size
         self.tokens[seq_id] = list(prompt)
         self.blocks[seq_id] = list(shared_blocks)
         self.computed[seq_id] = start
@@ -172,7 +173,7 @@ class Driver:
         ids = tokens[start : start + chunk]
         end = start + len(ids)
         blocks = self.blocks[seq_id]
-        new = self.alloc(max(0, -(-end // BLOCK_SIZE) - len(blocks)))
+        new = self.alloc(max(0, -(-end // self.block_size) - len(blocks)))
         blocks.extend(new)
         self.computed[seq_id] = end
         return ScheduledSeq(seq_id, ids, start, new, sample=end == len(tokens))
