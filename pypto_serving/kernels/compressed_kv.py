@@ -18,6 +18,8 @@ preemption and freeing cover it with no bookkeeping of their own:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,49 +110,53 @@ class CompressedLayerCache:
         return last // self.block_size * per_block + last % self.block_size // self.rate
 
 
-def allocate_compressed_cache(
-    num_blocks: int,
-    block_size: int,
-    head_dim: int,
-    rate: int,
-    widths: tuple[int, int],
-    index_dim: int,
-    kv_dtype: torch.dtype,
-    state_dtype: torch.dtype,
-    zeros,
-) -> CompressedLayerCache:
-    """One layer's state; `widths`: the compressor's and the indexer's per-token projections
-    (0: none); `zeros(shape, dtype)` the backend's storage."""
-    kv = zeros((num_blocks, block_size, 1, head_dim), kv_dtype)
-    if not rate:
-        return CompressedLayerCache(kv)
-    per_block = entry_slots(block_size, rate)
-    inputs, index = widths
-    return CompressedLayerCache(
-        kv,
-        rate,
-        inputs=zeros((num_blocks, block_size, inputs), state_dtype),
-        entries=zeros((num_blocks, per_block, head_dim), kv_dtype),
-        index_inputs=zeros((num_blocks, block_size, index), state_dtype) if index else None,
-        index_entries=zeros((num_blocks, per_block, index_dim), kv_dtype) if index else None,
-        written=zeros((num_blocks, per_block), torch.int32),
-    )
+@dataclass(frozen=True, slots=True)
+class LayerShape:
+    """What one layer keeps per block; `widths`: the compressor's and the indexer's per-token
+    projections (0: none)."""
 
+    block_size: int
+    head_dim: int
+    rate: int = 0
+    widths: tuple[int, int] = (0, 0)
+    index_dim: int = 0
 
-def compressed_block_bytes(
-    block_size: int,
-    head_dim: int,
-    rate: int,
-    widths: tuple[int, int],
-    index_dim: int,
-    kv_dtype: torch.dtype,
-    state_dtype: torch.dtype,
-) -> int:
-    """What `allocate_compressed_cache` takes per block."""
-    total = block_size * head_dim * kv_dtype.itemsize
-    if rate:
-        per_block = entry_slots(block_size, rate)
-        inputs, index = widths
-        total += block_size * (inputs + index) * state_dtype.itemsize
-        total += per_block * (head_dim + (index_dim if index else 0)) * kv_dtype.itemsize + per_block * 4
-    return total
+    def fields(
+        self, kv_dtype: torch.dtype, state_dtype: torch.dtype
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Each of `CompressedLayerCache`'s tensors: its shape per block, its dtype."""
+        fields = {"kv": ((self.block_size, 1, self.head_dim), kv_dtype)}
+        if not self.rate:
+            return fields
+        per_block = entry_slots(self.block_size, self.rate)
+        inputs, index = self.widths
+        fields |= {
+            "inputs": ((self.block_size, inputs), state_dtype),
+            "entries": ((per_block, self.head_dim), kv_dtype),
+            "written": ((per_block,), torch.int32),
+        }
+        if index:
+            fields |= {
+                "index_inputs": ((self.block_size, index), state_dtype),
+                "index_entries": ((per_block, self.index_dim), kv_dtype),
+            }
+        return fields
+
+    def block_bytes(self, kv_dtype: torch.dtype, state_dtype: torch.dtype) -> int:
+        return sum(
+            math.prod(shape) * dtype.itemsize for shape, dtype in self.fields(kv_dtype, state_dtype).values()
+        )
+
+    def allocate(
+        self,
+        num_blocks: int,
+        kv_dtype: torch.dtype,
+        state_dtype: torch.dtype,
+        zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+    ) -> CompressedLayerCache:
+        """`zeros(shape, dtype)`: the backend's storage."""
+        tensors = {
+            name: zeros((num_blocks, *shape), dtype)
+            for name, (shape, dtype) in self.fields(kv_dtype, state_dtype).items()
+        }
+        return CompressedLayerCache(rate=self.rate, **tensors)

@@ -7,11 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from pypto_serving.kernels.compressed_kv import (
-    CompressedLayerCache,
-    allocate_compressed_cache,
-    compressed_block_bytes,
-)
+from pypto_serving.kernels.compressed_kv import CompressedLayerCache, LayerShape
 from pypto_serving.loader.arch import ModelArch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -23,18 +19,20 @@ def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype,
     """k and v of every layer for one block (and compressed state, kept in `state_dtype`,
     the model's)."""
     if arch.deepseek_v4 is not None:
-        return sum(compressed_block_bytes(block_size, arch.head_dim, *_compressed_layer(arch, layer), dtype,
-                                          state_dtype or dtype) for layer in range(arch.num_layers))
+        layers = _compressed_layers(arch, block_size)
+        return sum(layer.block_bytes(dtype, state_dtype or dtype) for layer in layers)
     per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize
     return per_token * block_size
 
 
-def _compressed_layer(arch: ModelArch, layer: int) -> tuple[int, tuple[int, int], int]:
-    """(rate, (compressor, indexer) projection widths per token, the indexer's entry width)."""
-    shape = arch.deepseek_v4
-    kind, d, index_dim = shape.attention[layer], arch.head_dim, shape.index_head_dim
-    widths = {"sliding": (0, 0), "hca": (2 * d, 0), "csa": (4 * d, 4 * index_dim)}[kind]
-    return shape.rate(layer), widths, index_dim
+def _compressed_layers(arch: ModelArch, block_size: int) -> list[LayerShape]:
+    """Each DeepSeek V4 layer's state: an hca layer's tokens keep kv and gate projections, a
+    csa layer's two series of each, and its indexer's."""
+    shape, d = arch.deepseek_v4, arch.head_dim
+    index = shape.index_head_dim
+    widths = {"sliding": (0, 0), "hca": (2 * d, 0), "csa": (4 * d, 4 * index)}
+    return [LayerShape(block_size, d, shape.rate(i), widths[kind], index)
+            for i, kind in enumerate(shape.attention)]
 
 
 def num_kv_blocks(budget_bytes: int, block_bytes: int, max_blocks: int) -> int:
@@ -55,8 +53,8 @@ def allocate_kv_cache(
     """`zeros(shape, dtype)` is the backend's storage (zeros: padded slots are masked, but
     0 * NaN garbage would still be NaN)."""
     if arch.deepseek_v4 is not None:
-        return [allocate_compressed_cache(num_blocks, block_size, arch.head_dim, *_compressed_layer(arch, i),
-                                          dtype, state_dtype or dtype, zeros) for i in range(arch.num_layers)]
+        return [layer.allocate(num_blocks, dtype, state_dtype or dtype, zeros)
+                for layer in _compressed_layers(arch, block_size)]
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(arch.num_layers)]
 

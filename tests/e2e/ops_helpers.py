@@ -1,4 +1,4 @@
-"""Helpers of the observability and shutdown tests: background streams, metrics, processes."""
+"""Helpers of the e2e tests: background streams, metrics, processes, a tiny tokenizer."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 
 class BackgroundStream(threading.Thread):
@@ -83,3 +86,16 @@ def worker_process(pid: int) -> psutil.Process:
     workers = [p for p in children(pid) if "pypto_serving.worker.main" in p.cmdline()]
     assert len(workers) == 1, [p.cmdline() for p in children(pid)]
     return workers[0]
+
+
+def save_bpe_tokenizer(path: Path, texts: list[str]) -> None:
+    """A byte-level BPE tokenizer (300 entries, <s> and </s>) trained on `texts`, with its
+    tokenizer_config.json, into checkpoint directory `path`."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))

@@ -24,10 +24,8 @@ import pytest
 import torch
 import transformers
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tests.e2e.ops_helpers import BackgroundStream, wait_for
+from tests.e2e.ops_helpers import BackgroundStream, save_bpe_tokenizer, wait_for
 from tests.e2e.server import ServerProcess
 
 TEXT = "The quick brown fox jumps over the lazy dog. Once upon a time a dragon counted 1, 2, 3."
@@ -36,14 +34,7 @@ MAX_TOKENS = 12
 
 
 def save_checkpoint(path: Path) -> None:
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT] * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    save_bpe_tokenizer(path, [TEXT] * 20)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

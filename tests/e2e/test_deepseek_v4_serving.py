@@ -5,7 +5,6 @@ batch) give transformers' greedy text."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import httpx
@@ -13,8 +12,8 @@ import pytest
 import torch
 import transformers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tests.e2e.ops_helpers import save_bpe_tokenizer
 from tests.e2e.server import ServerProcess
 from tests.worker.test_deepseek_v4_vs_transformers import CHECKPOINTS, TINY
 
@@ -26,14 +25,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-deepseek-v4")
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT] * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    save_bpe_tokenizer(path, [TEXT] * 20)
     config = transformers.DeepseekV4Config(**(TINY | CHECKPOINTS["deepseek_v4_sparse"]
                                               | dict(vocab_size=320, bos_token_id=0, eos_token_id=1)))
     torch.manual_seed(0)

@@ -9,31 +9,18 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from pypto_serving.kernels.compressed_kv import compressed_block_bytes
+from pypto_serving.kernels.compressed_kv import LayerShape
 from pypto_serving.kernels.rotary import rope_inv_freq
 from pypto_serving.loader.errors import UnsupportedModel
 from pypto_serving.loader.hf import arch_from_hf_config
 from pypto_serving.parallel.shapes import check_divisible
 from pypto_serving.worker.kv_cache import bytes_per_block
+from tests.worker.test_deepseek_v4_vs_transformers import TINY
 
-SMALL = dict(
-    vocab_size=300,
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    head_dim=32,
-    q_lora_rank=48,
-    num_experts_per_tok=2,
-    n_routed_experts=4,
-    hc_mult=2,
-    sliding_window=8,
-    o_groups=2,
-    o_lora_rank=24,
-    index_n_heads=8,
-    index_head_dim=16,
-    partial_rotary_factor=0.5,
-)
+# the tiny checkpoints' shape with transformers' default schedules and rates, over 5 layers
+SCHEDULES = ("layer_types", "mlp_layer_types", "compress_rates")
+SMALL = {k: v for k, v in TINY.items() if k not in SCHEDULES + ("max_position_embeddings",)}
+SMALL |= dict(num_hidden_layers=5, vocab_size=300)
 YARN = {
     "rope_type": "yarn",
     "factor": 16.0,
@@ -123,5 +110,5 @@ def test_each_block_holds_the_keys_and_the_compressed_state_of_every_layer() -> 
     keys = block * 32 * 4
     csa = keys + block * (4 * 32 + 4 * 16) * 4 + 4 * (32 + 16) * 4 + 4 * 4
     hca = keys + block * 2 * 32 * 4 + 1 * 32 * 4 + 4
-    assert compressed_block_bytes(block, 32, 4, (128, 64), 16, f32, f32) == csa
+    assert LayerShape(block, 32, 4, (128, 64), 16).block_bytes(f32, f32) == csa
     assert bytes_per_block(arch, block, f32) == 3 * keys + csa + hca

@@ -27,26 +27,22 @@ def test_the_cuda_backends_decoder_ops_run_a_model_as_the_portable_ones_do(drive
     kernel = paged_attention.paged_decode_attention
     monkeypatch.setattr(paged_attention, "paged_decode_attention",
                         lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
-    cuda_ops = CudaBackend("cpu", torch.float32).decoder_ops(packed=False)
-    assert cuda_ops.attend is not PORTABLE.attend
-    fast, _ = driver("llama")
-    slow, _ = driver("llama")
-    for module in fast.runner.model.modules():
-        if hasattr(module, "ops"):
-            module.ops = cuda_ops
-    got, want = steps_of_every_kind(fast), steps_of_every_kind(slow)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-    assert fast.tokens == slow.tokens
+    assert CudaBackend("cpu", torch.float32).decoder_ops(packed=False).attend is not PORTABLE.attend
+    runs_as_the_portable_ops(driver, "llama")
     assert len(calls) == 2 * 7  # both layers of every step with decode rows
 
 
 def test_sliding_window_layers_keep_their_window_on_the_cuda_backends_ops(driver):
     """Gemma 3's sliding layers: SDPA prefill gets the window, and decode rows past it take
     the portable kernel (the paged one reads every key)."""
+    runs_as_the_portable_ops(driver, "gemma3")
+
+
+def runs_as_the_portable_ops(driver, name: str) -> None:
+    """Checkpoint `name` with the cuda backend's decoder ops steps as with the portable ones."""
     cuda_ops = CudaBackend("cpu", torch.float32).decoder_ops(packed=False)
-    fast, _ = driver("gemma3")
-    slow, _ = driver("gemma3")
+    fast, _ = driver(name)
+    slow, _ = driver(name)
     for module in fast.runner.model.modules():
         if hasattr(module, "ops"):
             module.ops = cuda_ops
