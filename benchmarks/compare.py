@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", default="ours,llama,ours-no-prefix-cache",
                    help="comma list of ours, ours-int16, ours-no-prefix-cache, llama")
     p.add_argument("--ours-arg", action="append", default=[], help="extra pypto-serving flag (repeatable)")
+    p.add_argument("--port", type=int, default=None,
+                   help="the first server's port, the next ones after it (default: free ports)")
     p.add_argument("--json", dest="json_path", default=None)
     return p
 
@@ -164,9 +166,10 @@ def start_servers(args: argparse.Namespace, model: str) -> dict[str, Server]:
         "llama": lambda: llama_server_command(model, args.llama_server, args.threads),
     }
     servers = {}
-    for name in args.servers.split(","):
+    for i, name in enumerate(args.servers.split(",")):
         t0 = time.monotonic()
-        servers[name] = Server(name, commands[name]()).start()
+        port = args.port + i if args.port else None
+        servers[name] = Server(name, commands[name](), port=port).start()
         print(f"started {name} in {time.monotonic() - t0:.1f} s: {' '.join(servers[name].command)}",
               flush=True)
     return servers

@@ -47,6 +47,7 @@ def test_server_commands_share_model_and_capacity() -> None:
     server = Server("x", ours)
     assert PORT not in server.command and str(server.port) in server.command
     assert build_parser().parse_args(["--reps", "2"]).reps == 2
+    assert Server("y", ours, port=18123).command[ours.index(PORT)] == "18123"
 
 
 def test_every_packaged_model_is_a_choice() -> None:
