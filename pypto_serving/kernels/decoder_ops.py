@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pypto_serving.kernels.activation import silu_and_mul
+from pypto_serving.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pypto_serving.kernels.attention import AttentionMetadata, paged_attention, sdpa_prefill_attention
 from pypto_serving.kernels.moe import FusedMoe, fused_moe
 from pypto_serving.kernels.paged_kv import write_kv
@@ -101,7 +101,8 @@ class DecoderOps:
     qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                       tuple[torch.Tensor, torch.Tensor]] = qk_norm
     fused_moe: FusedMoe = fused_moe  # a mixture-of-experts layer's experts (kernels/moe.py)
-    # Gemma 3's norms (scaled by 1 + weight), its post-norms' residual add and its q/k norms
+    # Gemma 3's GeGLU, its norms (scaled by 1 + weight), its post-norms' residual add, its q/k norms
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
     gemma_rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = gemma_rms_norm
     gemma_add_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] = gemma_add_norm
     gemma_qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pypto_serving.kernels.activation import gelu_tanh_and_mul
 from pypto_serving.kernels.attention import AttentionMetadata, with_window
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.kernels.rotary import rotary_cos_sin
@@ -69,9 +68,10 @@ class Gemma3MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = make.linear(arch.hidden_size, 2 * arch.intermediate_size)
         self.down_proj = make.linear(arch.intermediate_size, arch.hidden_size)
+        self.ops = make.decoder_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
 class Gemma3DecoderLayer(nn.Module):

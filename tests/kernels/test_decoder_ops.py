@@ -131,10 +131,12 @@ def test_prefill_attention_rows_are_decode_rows_however_the_prompt_is_chunked(kv
 
 # --- Gemma 3: norms scaled by 1 + weight, sliding-window attention ---------------------------
 
-def test_gemma_norms_match(fast) -> None:
+def test_gemma_norms_and_activation_match(fast) -> None:
     x, residual, weight = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
     torch.testing.assert_close(fast.gemma_rms_norm(x, weight, 1e-6), PORTABLE.gemma_rms_norm(x, weight, 1e-6),
                                **CLOSE)
+    gate_up = torch.randn(7, 2 * 40) * 6  # large |x|: both branches of the stable sigmoid
+    torch.testing.assert_close(fast.gelu_tanh_and_mul(gate_up), PORTABLE.gelu_tanh_and_mul(gate_up), **CLOSE)
     torch.testing.assert_close(fast.gemma_add_norm(x, residual, weight, 1e-6),
                                PORTABLE.gemma_add_norm(x, residual, weight, 1e-6), **CLOSE)
     qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM)

@@ -35,6 +35,7 @@ SIGNATURES = {
     "qgather": [_P, _I, _I, _P, _P, _P, _I, _P],
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "silu_and_mul": [_P, _I, _I, _P],
+    "gelu_tanh_and_mul": [_P, _I, _I, _P],
     "qk_norm": [_P, _I, _I, _I, _I, _I, _P, _P, _F],
     "gemma_qk_norm": [_P, _I, _I, _I, _I, _I, _P, _P, _F],
     "gemma_rms_norm": [_P, _P, _P, _F, _I, _I, _P],

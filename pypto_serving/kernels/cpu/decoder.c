@@ -155,6 +155,25 @@ void silu_and_mul(const float *gate_up, int64_t t, int64_t n, float *out) {
     }
 }
 
+/* gate_up [t, 2 * n] -> out [t, n] = gelu_tanh(gate) * up (Gemma's GeGLU); n % 8 == 0.
+ * gelu_tanh(v) = v / 2 * (1 + tanh(u)) = v * sigmoid(2 u), u = sqrt(2 / pi) (v + 0.044715 v^3). */
+void gelu_tanh_and_mul(const float *gate_up, int64_t t, int64_t n, float *out) {
+#pragma omp parallel for schedule(static) if (t > 16)
+    for (int64_t i = 0; i < t; i++) {
+        const float *g = gate_up + i * 2 * n, *u = g + n;
+        for (int64_t j = 0; j < n; j += 8) {
+            __m256 v = _mm256_loadu_ps(g + j), one = _mm256_set1_ps(1.0f);
+            __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+            __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f),
+                                      _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, v));
+            __m256 e = exp8(_mm256_or_ps(u2, _mm256_set1_ps(-0.0f))); /* exp(-|2u|): no overflow */
+            __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, _mm256_cmp_ps(u2, _mm256_setzero_ps(), _CMP_LT_OQ)),
+                                       _mm256_add_ps(one, e));
+            _mm256_storeu_ps(out + i * n + j, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(u + j)));
+        }
+    }
+}
+
 /* Rotate-half rotary on heads [t, heads, d] (row stride ld), cos/sin [t, d / 2]; in place. */
 static void rotate(float *x, int64_t ld, int64_t heads, int64_t d, const float *cos, const float *sin) {
     int64_t half = d / 2;

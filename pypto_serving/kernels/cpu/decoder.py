@@ -87,6 +87,14 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x [t, 2 * n] = [gate | up] -> gelu_tanh(gate) * up [t, n] (Gemma's GeGLU)."""
+    n = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n)
+    library().gelu_tanh_and_mul(x.data_ptr(), x.shape[0], n, out.data_ptr())
+    return out
+
+
 def rope_write_kv_cpu(
     qkv: torch.Tensor,
     heads: int,
