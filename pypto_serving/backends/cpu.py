@@ -60,7 +60,11 @@ class CpuBackend(PortableBackend):
         return DecoderOps(c.fp32_rows(c.rms_norm_cpu, PORTABLE.rms_norm),
                           c.fp32_rows(c.add_rms_norm_cpu, PORTABLE.add_rms_norm),
                           c.fp32_rows(c.silu_and_mul_cpu, PORTABLE.silu_and_mul), c.attend_cpu,
-                          c.qk_norm_cpu, fused_moe_cpu)
+                          c.qk_norm_cpu, fused_moe_cpu,
+                          gelu_tanh_and_mul=c.fp32_rows(c.gelu_tanh_and_mul_cpu, PORTABLE.gelu_tanh_and_mul),
+                          gemma_rms_norm=c.fp32_rows(c.gemma_rms_norm_cpu, PORTABLE.gemma_rms_norm),
+                          gemma_add_norm=c.fp32_rows(c.gemma_add_norm_cpu, PORTABLE.gemma_add_norm),
+                          gemma_qk_norm=c.gemma_qk_norm_cpu)
 
     def stack(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> StackRunner | None:
         """Every step in one C call where the per-layer path would use the C kernels anyway

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pypto_serving.kernels.activation import silu_and_mul
+from pypto_serving.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pypto_serving.kernels.attention import AttentionMetadata, paged_attention, sdpa_prefill_attention
 from pypto_serving.kernels.moe import FusedMoe, fused_moe
 from pypto_serving.kernels.paged_kv import write_kv
-from pypto_serving.kernels.rmsnorm import add_rms_norm, rms_norm
+from pypto_serving.kernels.rmsnorm import add_rms_norm, gemma_rms_norm, rms_norm
 from pypto_serving.kernels.rotary import apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -91,6 +91,17 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: 
     return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
 
 
+def gemma_qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 3's per-head norms of q and k [T, heads, d] (scaled by 1 + weight) before rotary."""
+    return gemma_rms_norm(q, q_weight, eps), gemma_rms_norm(k, k_weight, eps)
+
+
+def gemma_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual + Gemma's norm of x: a post-norm block's residual add."""
+    return residual + gemma_rms_norm(x, weight, eps)
+
+
 @dataclass(frozen=True, slots=True)
 class DecoderOps:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -101,6 +112,12 @@ class DecoderOps:
     qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                       tuple[torch.Tensor, torch.Tensor]] = qk_norm
     fused_moe: FusedMoe = fused_moe  # a mixture-of-experts layer's experts (kernels/moe.py)
+    # Gemma 3's GeGLU, its norms (scaled by 1 + weight), its post-norms' residual add, its q/k norms
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
+    gemma_rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = gemma_rms_norm
+    gemma_add_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] = gemma_add_norm
+    gemma_qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+                            tuple[torch.Tensor, torch.Tensor]] = gemma_qk_norm
 
 
 PORTABLE = DecoderOps(rms_norm, add_rms_norm, silu_and_mul, attend)

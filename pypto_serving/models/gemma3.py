@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pypto_serving.kernels.activation import gelu_tanh_and_mul
 from pypto_serving.kernels.attention import AttentionMetadata, with_window
-from pypto_serving.kernels.rmsnorm import gemma_rms_norm
+from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.loader.arch import ModelArch
 from pypto_serving.models.llama import CausalLM, KVCache, Rotary
@@ -24,13 +23,18 @@ from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 
 
 class GemmaRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: DecoderOps = PORTABLE) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))  # HF's: the scale is 1 + weight
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemma_rms_norm(x, self.weight, self.eps)
+        return self.ops.gemma_rms_norm(x, self.weight, self.eps)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + this norm of x."""
+        return self.ops.gemma_add_norm(x, residual, self.weight, self.eps)
 
 
 class Gemma3Attention(nn.Module):
@@ -49,9 +53,11 @@ class Gemma3Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: Rotary, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, heads * head_dim], ...
-        q = self.q_norm(q.view(tokens, self.heads, self.head_dim))
-        k = self.k_norm(k.view(tokens, self.kv_heads, self.head_dim))
+        q = q.view(tokens, self.heads, self.head_dim)
+        k = k.view(tokens, self.kv_heads, self.head_dim)
         v = v.view(tokens, self.kv_heads, self.head_dim)
+        # in place where the backend can, so q, k and v stay the projection's views for `attend`
+        q, k = self.ops.gemma_qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = self.ops.attend(q, k, v, rotary, kv, meta, self.scale)  # [T, heads, d]
         return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.heads * self.head_dim)))
 
@@ -62,9 +68,10 @@ class Gemma3MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = make.linear(arch.hidden_size, 2 * arch.intermediate_size)
         self.down_proj = make.linear(arch.intermediate_size, arch.hidden_size)
+        self.ops = make.decoder_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -76,12 +83,12 @@ class Gemma3DecoderLayer(nn.Module):
         norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                       "post_feedforward_layernorm")
         for name in norm_names:
-            setattr(self, name, GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps))
+            setattr(self, name, GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, make.decoder_ops()))
 
     def forward(self, x: torch.Tensor, rotary: Rotary, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `rotary` and `meta` are this layer's kind's."""
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, kv, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.post_attention_layernorm.add_to(self.self_attn(self.input_layernorm(x), rotary, kv, meta), x)
+        return self.post_feedforward_layernorm.add_to(self.mlp(self.pre_feedforward_layernorm(x)), x)
 
 
 class Gemma3Model(nn.Module):
@@ -89,7 +96,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = make.embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i, make, tp) for i in range(arch.num_layers))
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, make.decoder_ops())
 
 
 class Gemma3ForCausalLM(CausalLM):

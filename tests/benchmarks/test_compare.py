@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.compare import Runs, build_parser, summary, to_json, workloads
+from benchmarks.compare import MODELS, Runs, build_parser, summary, to_json, workloads
 from benchmarks.serve_bench import BenchConfig, RequestResult, summarize
 from benchmarks.servers import PORT, Server, llama_server_command, ours_command
+from pypto_serving.app.packaged_models import SHORT_NAMES
 
 
 def result(tokens_per_s: float, ttft_s: float) -> object:
@@ -46,3 +47,12 @@ def test_server_commands_share_model_and_capacity() -> None:
     server = Server("x", ours)
     assert PORT not in server.command and str(server.port) in server.command
     assert build_parser().parse_args(["--reps", "2"]).reps == 2
+    assert Server("y", ours, port=18123).command[ours.index(PORT)] == "18123"
+
+
+def test_every_packaged_model_is_a_choice() -> None:
+    """Gemma 3 270M (a base model: the workloads send token ids to /v1/completions, no chat
+    template) as well as the two instruct models; each name is one the server resolves."""
+    assert set(MODELS) == set(SHORT_NAMES)
+    assert "gemma3-270m" in build_parser().format_help()
+    assert all(w.bench.endpoint == "/v1/completions" for w in workloads(1.0))

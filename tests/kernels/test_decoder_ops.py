@@ -127,3 +127,90 @@ def test_prefill_attention_rows_are_decode_rows_however_the_prompt_is_chunked(kv
                         .repeat_interleave(heads // kv_heads, 1) for t in (k, v))
         probs = torch.softmax(torch.einsum("hd,lhd->hl", q[i], keys) * 0.125, -1)
         torch.testing.assert_close(whole[i], torch.einsum("hl,lhd->hd", probs, values), **CLOSE)
+
+
+# --- Gemma 3: norms scaled by 1 + weight, sliding-window attention ---------------------------
+
+def test_gemma_norms_and_activation_match(fast) -> None:
+    x, residual, weight = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    torch.testing.assert_close(fast.gemma_rms_norm(x, weight, 1e-6), PORTABLE.gemma_rms_norm(x, weight, 1e-6),
+                               **CLOSE)
+    gate_up = torch.randn(7, 2 * 40) * 6  # large |x|: both branches of the stable sigmoid
+    torch.testing.assert_close(fast.gelu_tanh_and_mul(gate_up), PORTABLE.gelu_tanh_and_mul(gate_up), **CLOSE)
+    torch.testing.assert_close(fast.gemma_add_norm(x, residual, weight, 1e-6),
+                               PORTABLE.gemma_add_norm(x, residual, weight, 1e-6), **CLOSE)
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM)
+    q, k, v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+    views = q.view(3, HEADS, DIM), k.view(3, KV_HEADS, DIM)
+    q_weight, k_weight = torch.randn(DIM), torch.randn(DIM)
+    expected = PORTABLE.gemma_qk_norm(*views, q_weight, k_weight, 1e-6)
+    got = fast.gemma_qk_norm(*views, q_weight, k_weight, 1e-6)
+    assert got[0].data_ptr() == q.data_ptr()  # in place: still the projection's views
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **CLOSE)
+
+
+@pytest.mark.parametrize("chunks", [
+    [(0, 9), (0, 3)],  # prefills longer and shorter than the window
+    [(5, 11)],  # a chunk after cached tokens
+    [(8, 1), (3, 1), (13, 1)],  # all decode
+    [(8, 1), (0, 6), (5, 1), (2, 7)],  # mixed
+])
+@pytest.mark.parametrize("window", [4, 7])
+def test_windowed_attend_matches_portable(fast, chunks: list[tuple[int, int]], window: int) -> None:
+    """A sliding-window layer's rows (`with_window`) take the C attention as every other layer's."""
+    from pypto_serving.kernels.attention import with_window
+
+    meta, rotary, qkv = step(chunks)
+    meta = with_window(meta, window)
+    torch.manual_seed(0)
+    kv = tuple(torch.randn(12, BLOCK, KV_HEADS, DIM).half() for _ in range(2))
+    fast_kv = tuple(t.clone() for t in kv)
+    expected = attend_with(PORTABLE, qkv.clone(), rotary, meta, kv)
+    got = attend_with(fast, qkv.clone(), rotary, meta, fast_kv)
+    torch.testing.assert_close(got, expected, **CLOSE)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [5, 16, 37])  # under one tile of rows, a tile's keys, across tiles
+def test_windowed_rows_are_decode_rows_over_the_window(kv_dtype: torch.dtype, window: int) -> None:
+    """Bit for bit: a windowed decode row is an unwindowed one over its last `window` keys, and
+    a windowed prompt prefilled whole, in two chunks or token by token gives the same rows."""
+    from pypto_serving.kernels.cpu.decoder import decode_attention_cpu, prefill_attention_cpu
+
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, n = 6, 2, 64, 45
+    k, v = (torch.randn(64 // BLOCK, BLOCK, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
+    slots = torch.randperm(64)[:n]
+    q = torch.randn(n, heads, head_dim)
+    decoded = torch.cat([decode_attention_cpu(q[i : i + 1], k, v, slots[None], torch.tensor([i + 1]), 0.125,
+                                              window) for i in range(n)])
+    trimmed = torch.cat([decode_attention_cpu(q[i : i + 1], k, v, slots[None, max(0, i + 1 - window) : i + 1],
+                                              torch.tensor([min(i + 1, window)]), 0.125) for i in range(n)])
+    assert torch.equal(decoded, trimmed)
+    whole = prefill_attention_cpu(q, k, v, slots, 0.125, window)
+    chunked = torch.cat([prefill_attention_cpu(q[:20], k, v, slots[:20], 0.125, window),
+                         prefill_attention_cpu(q[20:], k, v, slots, 0.125, window)])
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole, decoded)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_windowed_decode_rows_do_not_depend_on_the_batch(kv_dtype: torch.dtype) -> None:
+    """Bit for bit, a windowed sequence alone and among 16 (grouped tasks, the next task's
+    window fetched ahead) is an unwindowed one over its last `window` keys."""
+    from pypto_serving.kernels.cpu.decoder import decode_attention_cpu
+
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim, width, window = 6, 2, 64, 320, 100
+    batch = max(16, 2 * torch.get_num_threads())
+    k, v = (torch.randn(batch * width // BLOCK, BLOCK, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
+    slots = torch.arange(batch * width).view(batch, width)
+    lens = torch.tensor([width - 37 * (i % 7) for i in range(batch)])  # some shorter than the window
+    q = torch.randn(batch, heads, head_dim)
+    together = decode_attention_cpu(q, k, v, slots, lens, 0.125, window)
+    for i in range(batch):
+        first = max(0, int(lens[i]) - window)
+        alone = decode_attention_cpu(q[i : i + 1], k, v, slots[i : i + 1, first : lens[i]],
+                                     (lens[i : i + 1] - first), 0.125)
+        assert torch.equal(together[i : i + 1], alone)

@@ -134,7 +134,7 @@ def test_gemma3_bfloat16_logits_close_to_transformers_bfloat16(driver) -> None:
 
 
 def test_gemma3_packed_weights_stay_close_to_transformers(driver) -> None:
-    """int8 weights (the cpu backend's packed path: C matmuls, portable norms and attention)."""
+    """int8 weights (the cpu backend's packed path: C matmuls, norms, GeGLU and windowed attention)."""
     d, o = driver("gemma3", quantization="int8")
     rows = [d.step([d.add(1, LONG_PROMPT, chunk=len(LONG_PROMPT))])[1][0]]
     rows += decode(d, 1, 5)

@@ -69,31 +69,72 @@ void add_rms_norm(const float *x, float *residual, const float *weight, float ep
     }
 }
 
-/* n rows of d floats, in place: x = rms_norm(x) * weight, each row as add_rms_norm does one. */
-static inline void rms_norm_rows(float *x, int64_t n, int64_t d, const float *weight, float eps) {
+/* 8 weights of a norm from column j: weight, or with plus_one Gemma's 1 + weight (rounded to
+ * float32 first, as transformers has it). */
+INLINE_LOAD __m256 norm_weight(const float *weight, int64_t j, const int plus_one) {
+    __m256 w = _mm256_loadu_ps(weight + j);
+    return plus_one ? _mm256_add_ps(w, _mm256_set1_ps(1.0f)) : w;
+}
+
+/* 1 / rms of a row of d floats, as add_rms_norm computes it. */
+INLINE_LOAD __m256 inverse_rms(const float *r, int64_t d, float eps) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; j += 8) {
+        __m256 v = _mm256_loadu_ps(r + j);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    return _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+}
+
+/* n rows of d floats, in place: x = rms_norm(x) * weight (or * (1 + weight) with plus_one),
+ * each row as add_rms_norm does one. */
+INLINE_LOAD void rms_norm_rows(float *x, int64_t n, int64_t d, const float *weight, float eps, const int plus_one) {
     for (int64_t h = 0; h < n; h++) {
         float *r = x + h * d;
-        __m256 ss = _mm256_setzero_ps();
-        for (int64_t j = 0; j < d; j += 8) {
-            __m256 v = _mm256_loadu_ps(r + j);
-            ss = _mm256_fmadd_ps(v, v, ss);
-        }
-        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+        __m256 inv = inverse_rms(r, d, eps);
         for (int64_t j = 0; j < d; j += 8)
             _mm256_storeu_ps(r + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(r + j), inv),
-                                                  _mm256_loadu_ps(weight + j)));
+                                                  norm_weight(weight, j, plus_one)));
     }
 }
 
-/* Qwen3's q/k norms inside the fused projection, in place: rows [t] of row stride ld, each
- * holding q heads [heads, d] then k heads [kv_heads, d] (then v, untouched); d % 8 == 0. */
-void qk_norm(float *qkv, int64_t t, int64_t ld, int64_t heads, int64_t kv_heads, int64_t d, const float *q_weight,
-             const float *k_weight, float eps) {
+/* Gemma's norm, scaled by (1 + weight): out = rms_norm(x) * (1 + weight), plus residual when
+ * given (the post-norms' residual add); x [t, d], d % 8 == 0; out may be x. */
+void gemma_rms_norm(const float *x, const float *residual, const float *weight, float eps, int64_t t, int64_t d,
+                    float *out) {
 #pragma omp parallel for schedule(static) if (t > 16)
     for (int64_t i = 0; i < t; i++) {
-        rms_norm_rows(qkv + i * ld, heads, d, q_weight, eps);
-        rms_norm_rows(qkv + i * ld + heads * d, kv_heads, d, k_weight, eps);
+        const float *r = x + i * d;
+        __m256 inv = inverse_rms(r, d, eps);
+        for (int64_t j = 0; j < d; j += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(r + j), inv), norm_weight(weight, j, 1));
+            if (residual) v = _mm256_add_ps(_mm256_loadu_ps(residual + i * d + j), v);
+            _mm256_storeu_ps(out + i * d + j, v);
+        }
     }
+}
+
+/* q/k norms inside the fused projection, in place: rows [t] of row stride ld, each holding q
+ * heads [heads, d] then k heads [kv_heads, d] (then v, untouched); d % 8 == 0. */
+INLINE_LOAD void qk_norm_rows(float *qkv, int64_t t, int64_t ld, int64_t heads, int64_t kv_heads, int64_t d,
+                              const float *q_weight, const float *k_weight, float eps, const int plus_one) {
+#pragma omp parallel for schedule(static) if (t > 16)
+    for (int64_t i = 0; i < t; i++) {
+        rms_norm_rows(qkv + i * ld, heads, d, q_weight, eps, plus_one);
+        rms_norm_rows(qkv + i * ld + heads * d, kv_heads, d, k_weight, eps, plus_one);
+    }
+}
+
+/* Qwen3's */
+void qk_norm(float *qkv, int64_t t, int64_t ld, int64_t heads, int64_t kv_heads, int64_t d, const float *q_weight,
+             const float *k_weight, float eps) {
+    qk_norm_rows(qkv, t, ld, heads, kv_heads, d, q_weight, k_weight, eps, 0);
+}
+
+/* Gemma 3's, scaled by (1 + weight) */
+void gemma_qk_norm(float *qkv, int64_t t, int64_t ld, int64_t heads, int64_t kv_heads, int64_t d,
+                   const float *q_weight, const float *k_weight, float eps) {
+    qk_norm_rows(qkv, t, ld, heads, kv_heads, d, q_weight, k_weight, eps, 1);
 }
 
 /* gate_up [t, 2 * n] -> out [t, n] = silu(gate) * up; n % 8 == 0. */
@@ -108,6 +149,25 @@ void silu_and_mul(const float *gate_up, int64_t t, int64_t n, float *out) {
             __m256 one = _mm256_set1_ps(1.0f);
             /* sigmoid(v) = 1 / (1 + exp(-v)) = v >= 0 ? 1 / (1 + e) : e / (1 + e) */
             __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ)),
+                                       _mm256_add_ps(one, e));
+            _mm256_storeu_ps(out + i * n + j, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(u + j)));
+        }
+    }
+}
+
+/* gate_up [t, 2 * n] -> out [t, n] = gelu_tanh(gate) * up (Gemma's GeGLU); n % 8 == 0.
+ * gelu_tanh(v) = v / 2 * (1 + tanh(u)) = v * sigmoid(2 u), u = sqrt(2 / pi) (v + 0.044715 v^3). */
+void gelu_tanh_and_mul(const float *gate_up, int64_t t, int64_t n, float *out) {
+#pragma omp parallel for schedule(static) if (t > 16)
+    for (int64_t i = 0; i < t; i++) {
+        const float *g = gate_up + i * 2 * n, *u = g + n;
+        for (int64_t j = 0; j < n; j += 8) {
+            __m256 v = _mm256_loadu_ps(g + j), one = _mm256_set1_ps(1.0f);
+            __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+            __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f),
+                                      _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, v));
+            __m256 e = exp8(_mm256_or_ps(u2, _mm256_set1_ps(-0.0f))); /* exp(-|2u|): no overflow */
+            __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, _mm256_cmp_ps(u2, _mm256_setzero_ps(), _CMP_LT_OQ)),
                                        _mm256_add_ps(one, e));
             _mm256_storeu_ps(out + i * n + j, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(u + j)));
         }
@@ -355,24 +415,34 @@ INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, co
     finish_heads(g, v_cache, slots, n, kv_stride, d, scores, ld_scores, out, half, !values.base, next);
 }
 
+/* The first of the n keys up to a query that it sees: with a sliding window (window > 0) the
+ * last `window` of them, itself included, else all. */
+static inline int64_t first_key(int64_t n, int64_t window) { return window && n > window ? n - window : 0; }
+
 /* attend_heads for `rows` consecutive query rows of one sequence (q rows ldq apart, out rows
- * ldo apart) over the first n0 + r + 1 keys each (r = 0 .. rows - 1, a causal prefill tile):
- * a block of 8 keys is converted once for the whole tile; scores [rows][g][ld_scores]. The
- * keys and values of a prompt are still in cache when its chunk attends, so values are not
- * prefetched. */
+ * ldo apart) over keys first_key(n0 + r + 1, window) .. n0 + r each (r = 0 .. rows - 1, a causal
+ * prefill tile): a block of 8 keys is converted once for the whole tile; scores
+ * [rows][g][ld_scores], a key's at its position. A row's softmax and values start at its first
+ * key, as decode_attention's do over the same keys, so the two agree bit for bit. The keys and
+ * values of a prompt are still in cache when its chunk attends, so values are not prefetched. */
 INLINE_LOAD void attend_rows(const float *q, int64_t ldq, int64_t rows, int64_t n0, int64_t g, const void *k_cache,
                              const void *v_cache, const int64_t *slots, int64_t kv_stride, int64_t d, float scale,
-                             float *scores, int64_t ld_scores, float *out, int64_t ldo, const int half) {
+                             float *scores, int64_t ld_scores, float *out, int64_t ldo, const int half,
+                             int64_t window) {
     float kb[8 * MAX_HEAD_DIM] __attribute__((aligned(32)));
     int64_t n_max = n0 + rows;
-    for (int64_t l = 0; l < n_max; l += 8) {
+    /* Blocks start at multiples of 8, as the score rows' length does. A row that sees none of a
+     * block's keys scores them anyway: its scores there are never read. */
+    for (int64_t l = first_key(n0 + 1, window) / 8 * 8; l < n_max; l += 8) {
         load_keys8(kb, k_cache, slots, l, n_max, kv_stride, d, half);
         for (int64_t r = l < n0 + 1 ? 0 : l - n0; r < rows; r++) /* rows with a key in l .. l + 7 */
             score_keys8(q + r * ldq, g, kb, d, scale, scores + r * g * ld_scores, ld_scores, l);
     }
-    for (int64_t r = 0; r < rows; r++)
-        finish_heads(g, v_cache, slots, n0 + r + 1, kv_stride, d, scores + r * g * ld_scores, ld_scores, out + r * ldo,
-                     half, 0, &(Ahead){0});
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t first = first_key(n0 + r + 1, window);
+        finish_heads(g, v_cache, slots + first, n0 + r + 1 - first, kv_stride, d, scores + r * g * ld_scores + first,
+                     ld_scores, out + r * ldo, half, 0, &(Ahead){0});
+    }
 }
 
 /* Score rows are whole blocks of 8 keys long. */
@@ -386,13 +456,14 @@ int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len) { return b 
 #define FETCH_AHEAD_BYTES (1 << 20)
 
 /* One query per sequence: q rows [b] (row stride ldq, heads * d used), slots [b, max_len]
- * padded, lens [b]; out [b, heads * d]. Caches float32, or float16 with kv_half.
+ * padded, lens [b]; out [b, heads * d]. Caches float32, or float16 with kv_half. With window
+ * > 0 a query sees only the last `window` keys of its context (a sliding-window layer).
  * d % 8 == 0 and d <= MAX_HEAD_DIM; scores: decode_scores_len(b, heads, max_len) floats. */
 void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
                       const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
-                      const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half) {
+                      const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half, int64_t window) {
     int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, ld = scores_stride(max_len), total = 0;
-    for (int64_t i = 0; i < b; i++) total += lens[i];
+    for (int64_t i = 0; i < b; i++) total += lens[i] - first_key(lens[i], window);
     int fetch_ahead = 2 * total * kv_heads * d * esize >= FETCH_AHEAD_BYTES;
     /* A task: a kv head's whole group of query heads once there are enough groups to share
      * out (its keys and values are read once for all of them), else a single head. A thread
@@ -410,20 +481,20 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
             Ahead ahead = {0};
             if (fetch_ahead && next < n_tasks) {
                 int64_t next_seq = next / tasks_per_seq, next_kv = next % tasks_per_seq * per_task / group;
-                ahead = (Ahead){(const char *)k_cache + next_kv * d * esize, slots + next_seq * max_len, lens[next_seq],
-                                kv_heads * d * esize, d * esize, 0, 0};
+                int64_t next_first = first_key(lens[next_seq], window);
+                ahead = (Ahead){(const char *)k_cache + next_kv * d * esize, slots + next_seq * max_len + next_first,
+                                lens[next_seq] - next_first, kv_heads * d * esize, d * esize, 0, 0};
             }
-            int64_t i = task / tasks_per_seq, h = task % tasks_per_seq * per_task;
+            int64_t i = task / tasks_per_seq, h = task % tasks_per_seq * per_task, first = first_key(lens[i], window);
             const char *k = (const char *)k_cache + (h / group) * d * esize;
             const char *v = (const char *)v_cache + (h / group) * d * esize;
             const float *qh = q + i * ldq + h * d;
             float *sc = scores + (i * heads + h) * ld, *o = out + i * heads * d + h * d;
+            const int64_t *ctx = slots + i * max_len + first;
             if (kv_half)
-                attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, ld, o, 1,
-                             &ahead);
+                attend_heads(qh, per_task, k, v, ctx, lens[i] - first, kv_heads * d, d, scale, sc, ld, o, 1, &ahead);
             else
-                attend_heads(qh, per_task, k, v, slots + i * max_len, lens[i], kv_heads * d, d, scale, sc, ld, o, 0,
-                             &ahead);
+                attend_heads(qh, per_task, k, v, ctx, lens[i] - first, kv_heads * d, d, scale, sc, ld, o, 0, &ahead);
         }
     }
 }
@@ -432,12 +503,13 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
 
 /* A prefill chunk of one sequence: q rows [n_q] (row stride ldq) at positions start .. start +
  * n_q - 1, where start = n_ctx - n_q; ctx_slots [n_ctx]; row i attends to keys 0 .. start + i.
- * Each row is decode_attention's arithmetic over its own context, so a token's attention never
- * depends on how its prompt was cut into chunks or what it was batched with. out [n_q, heads, d].
+ * (only the last `window` of them with window > 0). Each row is decode_attention's arithmetic
+ * over its own context, so a token's attention never depends on how its prompt was cut into
+ * chunks or what it was batched with. out [n_q, heads, d].
  * Returns 0, or -1 when a thread's scores buffer cannot be allocated. */
 int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t heads, int64_t kv_heads, int64_t d,
                           const void *k_cache, const void *v_cache, const int64_t *ctx_slots, int64_t n_ctx,
-                          float scale, float *out, int64_t kv_half) {
+                          float scale, float *out, int64_t kv_half, int64_t window) {
     int64_t group = heads / kv_heads, esize = kv_half ? 2 : 4, start = n_ctx - n_q, ld = scores_stride(n_ctx);
     int64_t tiles = (n_q + ROW_TILE - 1) / ROW_TILE;
     int failed = 0;
@@ -457,10 +529,10 @@ int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t head
             float *o = out + (i * heads + h) * d;
             if (kv_half)
                 attend_rows(qh, ldq, rows, start + i, group, k, v, ctx_slots, kv_heads * d, d, scale, scores, ld, o,
-                            heads * d, 1);
+                            heads * d, 1, window);
             else
                 attend_rows(qh, ldq, rows, start + i, group, k, v, ctx_slots, kv_heads * d, d, scale, scores, ld, o,
-                            heads * d, 0);
+                            heads * d, 0, window);
         }
         free(scores);
     }

@@ -9,7 +9,7 @@ import torch
 
 from pypto_serving.kernels.attention import AttentionMetadata, paged_attention
 from pypto_serving.kernels.cpu import library
-from pypto_serving.kernels.decoder_ops import KVCache, Rotary, attend, qk_norm
+from pypto_serving.kernels.decoder_ops import KVCache, Rotary, attend, gemma_add_norm, gemma_qk_norm, qk_norm
 
 MAX_HEAD_DIM = 256  # decoder.c's
 
@@ -30,20 +30,53 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return out
 
 
+def gemma_rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's norm, scaled by (1 + weight)."""
+    out = torch.empty_like(x)
+    library().gemma_rms_norm(x.data_ptr(), None, weight.data_ptr(), eps, *x.shape, out.data_ptr())
+    return out
+
+
+def gemma_add_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """residual + Gemma's norm of x (a post-norm's residual add), as a new tensor."""
+    if residual.dtype != torch.float32 or residual.shape != x.shape:
+        return gemma_add_norm(x, residual, weight, eps)
+    out, residual = torch.empty_like(x), residual.contiguous()
+    lib = library()
+    lib.gemma_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, *x.shape, out.data_ptr())
+    return out
+
+
 def qk_norm_cpu(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`qk_norm` in place, when q and k are consecutive float32 column blocks of the fused
     projection's rows (as `attend_cpu` then finds them), else the portable kernel."""
-    t, heads, d = q.shape
-    fused = (q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == torch.float32 and d % 8 == 0
-             and q.stride()[1:] == (d, 1) and k.stride()[1:] == (d, 1) and q.stride(0) == k.stride(0)
-             and k.data_ptr() == q.data_ptr() + heads * d * 4
-             and q_weight.is_contiguous() and k_weight.is_contiguous())
-    if not fused:
+    if not _fused_qk(q, k, q_weight, k_weight):
         return qk_norm(q, k, q_weight, k_weight, eps)
-    library().qk_norm(q.data_ptr(), t, q.stride(0), heads, k.shape[1], d, q_weight.data_ptr(),
-                      k_weight.data_ptr(), eps)
+    library().qk_norm(q.data_ptr(), q.shape[0], q.stride(0), q.shape[1], k.shape[1], q.shape[2],
+                      q_weight.data_ptr(), k_weight.data_ptr(), eps)
     return q, k
+
+
+def gemma_qk_norm_cpu(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemma_qk_norm` in place, where `qk_norm_cpu` runs in place, else the portable kernel."""
+    if not _fused_qk(q, k, q_weight, k_weight):
+        return gemma_qk_norm(q, k, q_weight, k_weight, eps)
+    library().gemma_qk_norm(q.data_ptr(), q.shape[0], q.stride(0), q.shape[1], k.shape[1], q.shape[2],
+                            q_weight.data_ptr(), k_weight.data_ptr(), eps)
+    return q, k
+
+
+def _fused_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> bool:
+    """q [t, heads, d] and k are consecutive float32 column blocks of the same rows."""
+    t, heads, d = q.shape
+    return (q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == torch.float32 and d % 8 == 0
+            and q.stride()[1:] == (d, 1) and k.stride()[1:] == (d, 1)
+            and (t == 1 or q.stride(0) == k.stride(0))  # one row: views of it may take any row stride
+            and k.data_ptr() == q.data_ptr() + heads * d * 4
+            and q_weight.is_contiguous() and k_weight.is_contiguous())
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +84,14 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[1] // 2
     out = torch.empty(x.shape[0], n)
     library().silu_and_mul(x.data_ptr(), x.shape[0], n, out.data_ptr())
+    return out
+
+
+def gelu_tanh_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x [t, 2 * n] = [gate | up] -> gelu_tanh(gate) * up [t, n] (Gemma's GeGLU)."""
+    n = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n)
+    library().gelu_tanh_and_mul(x.data_ptr(), x.shape[0], n, out.data_ptr())
     return out
 
 
@@ -80,8 +121,10 @@ def decode_attention_cpu(
     slots: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q [b, heads, d] (rows may be strided), slots [b, L] padded, lens [b] -> [b, heads, d]."""
+    """q [b, heads, d] (rows may be strided), slots [b, L] padded, lens [b] -> [b, heads, d];
+    with `window`, each query sees the last `window` keys of its context only."""
     b, heads, d = q.shape
     _check_inputs("decode_attention_cpu", k_cache, v_cache, d)
     slots, lens = slots.contiguous(), lens.contiguous()  # slots is often a cut of wider block rows
@@ -89,15 +132,17 @@ def decode_attention_cpu(
     scores = torch.empty(library().decode_scores_len(b, heads, slots.shape[1]))
     library().decode_attention(q.data_ptr(), q.stride(0), b, heads, k_cache.shape[2], d, k_cache.data_ptr(),
                                v_cache.data_ptr(), slots.data_ptr(), slots.shape[1], lens.data_ptr(), scale,
-                               scores.data_ptr(), out.data_ptr(), k_cache.dtype == torch.float16)
+                               scores.data_ptr(), out.data_ptr(), k_cache.dtype == torch.float16, window)
     return out
 
 
 def prefill_attention_cpu(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx_slots: torch.Tensor, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx_slots: torch.Tensor, scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """One prefill chunk: q [n, heads, d] (rows may be strided), the last n of its context
-    slots [L] -> [n, heads, d], causal; each row exactly as `decode_attention_cpu` gives it."""
+    slots [L] -> [n, heads, d], causal (and within `window` positions, when given); each row
+    exactly as `decode_attention_cpu` gives it."""
     n, heads, d = q.shape
     _check_inputs("prefill_attention_cpu", k_cache, v_cache, d)
     if ctx_slots.dtype != torch.int64 or ctx_slots.shape[0] < n:
@@ -109,6 +154,7 @@ def prefill_attention_cpu(
     if n and library().prefill_attention(
         q.data_ptr(), q.stride(0), n, heads, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
         ctx_slots.data_ptr(), ctx_slots.shape[0], scale, out.data_ptr(), k_cache.dtype == torch.float16,
+        window,
     ):
         raise MemoryError(f"prefill attention: no memory for scores over {ctx_slots.shape[0]} positions")
     return out
@@ -146,15 +192,15 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary
     width = (q.shape[1] + 2 * k.shape[1]) * q.shape[2]
     qkv = torch.as_strided(q, (q.shape[0], width), (width, 1))
     rope_write_kv_cpu(qkv, q.shape[1], k.shape[1], *rotary, meta.slot_mapping, *kv)
-    # The C attention keeps 8 keys of at most MAX_HEAD_DIM floats on the stack, and sees every key.
-    if q.shape[2] > MAX_HEAD_DIM or meta.window:
+    # The C attention keeps 8 keys of at most MAX_HEAD_DIM floats on the stack.
+    if q.shape[2] > MAX_HEAD_DIM:
         return paged_attention(q, kv[0], kv[1], meta, scale)
 
     def decode(dq: torch.Tensor) -> torch.Tensor:
-        return decode_attention_cpu(dq, kv[0], kv[1], meta.decode_slots, meta.decode_lens, scale)
+        return decode_attention_cpu(dq, kv[0], kv[1], meta.decode_slots, meta.decode_lens, scale, meta.window)
 
     def prefill(pq: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
-        return prefill_attention_cpu(pq, kv[0], kv[1], ctx_slots, scale)
+        return prefill_attention_cpu(pq, kv[0], kv[1], ctx_slots, scale, meta.window)
 
     decode_kernel = decode if meta.decode_lens is not None else None
     return paged_attention(q, kv[0], kv[1], meta, scale, decode_kernel, prefill)

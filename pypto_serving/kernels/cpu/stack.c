@@ -26,11 +26,11 @@ void rope_write_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64
                    int64_t kv_half);
 void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
                       const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
-                      const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half);
+                      const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half, int64_t window);
 int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len);
 int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t heads, int64_t kv_heads, int64_t d,
                           const void *k_cache, const void *v_cache, const int64_t *ctx_slots, int64_t n_ctx,
-                          float scale, float *out, int64_t kv_half);
+                          float scale, float *out, int64_t kv_half, int64_t window);
 
 /* A packed linear (see qlinear.c); its output width n_blocks * 16 is the layer's exact width. */
 typedef struct {
@@ -123,17 +123,17 @@ static int64_t attend(const Shape *sh, const Layer *L, const StepRows *r, const 
     int64_t d = sh->head_dim, aw = sh->heads * d;
     if (r->n_decode && !r->decode_rows) {
         decode_attention(qkv, width, r->n_decode, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, r->ctx_slots,
-                         r->max_len, r->lens, sh->scale, ds->scores, out, sh->kv_half);
+                         r->max_len, r->lens, sh->scale, ds->scores, out, sh->kv_half, 0);
     } else if (r->n_decode) {
         for (int64_t i = 0; i < r->n_decode; i++) memcpy(ds->q + i * aw, qkv + r->decode_rows[i] * width, aw * 4);
         decode_attention(ds->q, aw, r->n_decode, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, r->ctx_slots,
-                         r->max_len, r->lens, sh->scale, ds->scores, ds->out, sh->kv_half);
+                         r->max_len, r->lens, sh->scale, ds->scores, ds->out, sh->kv_half, 0);
         for (int64_t i = 0; i < r->n_decode; i++) memcpy(out + r->decode_rows[i] * aw, ds->out + i * aw, aw * 4);
     }
     for (int64_t c = 0; c < r->n_chunks; c++) {
         const Chunk *ch = r->chunks + c;
         if (prefill_attention(qkv + ch->start * width, width, ch->n, sh->heads, sh->kv_heads, d, L->k_cache,
-                              L->v_cache, ch->ctx_slots, ch->n_ctx, sh->scale, out + ch->start * aw, sh->kv_half))
+                              L->v_cache, ch->ctx_slots, ch->n_ctx, sh->scale, out + ch->start * aw, sh->kv_half, 0))
             return -1;
     }
     return 0;
