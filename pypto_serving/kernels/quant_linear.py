@@ -120,17 +120,15 @@ def _scale_zero(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _scale_zero5(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int5: scale s and zero -16 s where a group lies on a Q5_0 grid (`_offset_grid_step`; both
-    exact in fp16, so dequantizing gives the weights back bit for bit), else int4's choice over
-    32 levels (origin the group's minimum, its own grid's step where it has one)."""
+    exact in fp16, so dequantizing gives the weights back bit for bit), else the group's range
+    over 32 levels (zero its minimum; a Q5_1 block's own grid up to the fp16 rounding)."""
     step = _offset_grid_step(wg)
     scale, zero = step.half(), (-16 * step).half()
     rest = step.isnan()
     if rest.any():
         w = wg[rest]  # [groups, 32]
         low, high = w.amin(-1), w.amax(-1)
-        usual = (high - low) / LEVELS[5]
-        own = _search(w, low, usual, high - low, LEVELS[5])
-        scale[rest] = torch.where(own.isfinite(), own, usual).half()
+        scale[rest] = ((high - low) / LEVELS[5]).half()
         zero[rest] = low.half()
     return scale, zero
 
@@ -157,13 +155,21 @@ def _offset_search(wg: torch.Tensor) -> torch.Tensor:
         if not len(todo):
             break
         candidate = -extreme[todo] / 16 if level == 16 else largest[todo] / level
-        step = candidate.half().float().unsqueeze(-1)  # the step the packed weight will hold
-        levels = w[todo] / torch.where(step != 0, step, 1.0)
-        fits = (step.squeeze(-1) != 0) & ((levels - levels.round()).abs() < GRID_TOLERANCE).all(-1) & \
-            (levels.amin(-1) > -16 - GRID_TOLERANCE) & (levels.amax(-1) < 15 + GRID_TOLERANCE)
-        found[todo[fits]] = step.squeeze(-1)[fits]
+        step = candidate.half().float()  # the step the packed weight will hold
+        # the first 4 weights of a group rule most candidates out, at an eighth of the cost
+        maybe = (step != 0) & _on_steps(w[todo, :4], step)
+        fits = maybe.clone()
+        fits[maybe] = _on_steps(w[todo[maybe]], step[maybe])
+        found[todo[fits]] = step[fits]
         todo = todo[~fits]
     return found.view(shape)
+
+
+def _on_steps(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Per row of w: every w / step is an integer in -16..15 (within GRID_TOLERANCE)."""
+    levels = w / step.unsqueeze(-1)
+    return ((levels - levels.round()).abs() < GRID_TOLERANCE).all(-1) & \
+        (levels.amin(-1) > -16 - GRID_TOLERANCE) & (levels.amax(-1) < 15 + GRID_TOLERANCE)
 
 
 def _grid_step(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span: torch.Tensor,
