@@ -141,7 +141,7 @@ def _offset_grid_step(wg: torch.Tensor) -> torch.Tensor:
     of rows spread over the tensor comes first: weights on no such grid skip the search."""
     probe = torch.linspace(0, wg.shape[0] - 1, min(PROBE_ROWS, wg.shape[0])).long()
     if wg.shape[0] > PROBE_ROWS and not _offset_search(wg[probe]).isfinite().any():
-        return torch.full(wg.shape[:-1], torch.nan)
+        return torch.full(wg.shape[:-1], torch.nan, device=wg.device)
     return _offset_search(wg)
 
 
@@ -244,7 +244,7 @@ def _panel_q5(q: torch.Tensor) -> torch.Tensor:
     levels = levels.permute(0, 3, 4, 1, 2, 5)
     low = levels & 15
     nibbles = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).flatten(2)  # [panel, group, 256]
-    shifts = torch.arange(GROUP // 4, dtype=torch.uint8).view(1, 1, -1, 1, 1, 1)
+    shifts = torch.arange(GROUP // 4, dtype=torch.uint8, device=q.device).view(1, 1, -1, 1, 1, 1)
     high = ((levels >> 4) << shifts).sum(2, dtype=torch.uint8).flatten(2)  # bit j: quad j; [.., 64]
     return torch.cat([nibbles, high], -1).contiguous()
 
@@ -265,7 +265,7 @@ def unpack_levels(w: PackedWeight) -> torch.Tensor:
         nibbles = groups[..., : 8 * GROUP].reshape(panels, w.k // GROUP, GROUP // 4, PANEL // 2, 4)
         low = torch.stack([nibbles & 15, nibbles >> 4], dim=3)  # [panel, group, quad, half, row, i]
         high = groups[..., 8 * GROUP :].reshape(panels, w.k // GROUP, 1, 2, PANEL // 2, 4)
-        shifts = torch.arange(GROUP // 4, dtype=torch.uint8).view(1, 1, -1, 1, 1, 1)
+        shifts = torch.arange(GROUP // 4, dtype=torch.uint8, device=w.q.device).view(1, 1, -1, 1, 1, 1)
         quads = (low | (((high >> shifts) & 1) << 4)).reshape(panels, w.k // 4, 2, PANEL // 2, 4)
     else:
         nibbles = w.q.view(panels, w.k // 4, PANEL // 2, 4)
