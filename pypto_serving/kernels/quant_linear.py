@@ -9,7 +9,11 @@ Levels are stored in "quads": for each 4 consecutive k, the 4 levels of a row si
   int4: asymmetric, q in [0, 15], zero = group minimum, the step that of the grid the
         group's weights already lie on where they do (GGUF Q4_1, Q4_K, Q5_K sub-blocks that
         use at most 16 levels: exact up to the fp16 scale), else (max - min) / 15; `pack`
-        reports how far any weight moved.
+        reports how far any weight moved;
+  int5: levels 0..31, the nibbles stored as int4's plus one plane of high bits (5/8 of int8's
+        bytes). Where a group's weights lie on a Q5_0 grid (w = s * (q - 16), s an fp16 scale,
+        possibly negative), scale s and zero -16 s: exact, bit for bit. Other groups get
+        int4's treatment with 32 levels.
 The portable matmul dequantizes to fp32 and calls F.linear; it is the reference the fast
 kernels are tested against.
 """
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 
 PANEL = 16
 GROUP = 32
-LEVELS = {4: 15, 8: 127}
+LEVELS = {4: 15, 5: 31, 8: 127}
 GRID_TOLERANCE = 1e-3  # of a step: how far from a level a weight on a grid may be (fp32 rounding)
 
 
@@ -33,7 +37,10 @@ class PackedWeight:
 
     # [n_pad / 16, k / 4, 64] int8 (8 bits): byte 32 h + 4 r + i = row 8 h + r at k = 4 j + i;
     # [n_pad / 16, k / 4, 32] uint8 (4 bits): byte 4 r + i = row r (low nibble) and row r + 8
-    # (high nibble) at k = 4 j + i.
+    # (high nibble) at k = 4 j + i;
+    # [n_pad / 16, k / 32, 320] uint8 (5 bits), per group of 32 along K: bytes 32 j + 4 r + i
+    # = the low 4 bits of rows r and r + 8 at k = 4 j + i (j = 0..7, as int4), then bytes
+    # 256 + 32 h + 4 r + i whose bit j is bit 4 of row 8 h + r at k = 4 j + i.
     q: torch.Tensor
     scale: torch.Tensor  # fp16 [n_pad / 16, k / 32, 16]
     zero: torch.Tensor  # fp16 [n_pad / 16, k / 32, 16]
@@ -49,7 +56,8 @@ class PackedWeight:
 def packed_layout(n: int, k: int, bits: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The shape and dtype of each of a packed [n, k] weight's tensors (`PackedWeight`)."""
     panels = -(-n // PANEL)
-    q = (panels, k // 4, 4 * PANEL) if bits == 8 else (panels, k // 4, 2 * PANEL)
+    q = {8: (panels, k // 4, 4 * PANEL), 4: (panels, k // 4, 2 * PANEL),
+         5: (panels, k // GROUP, 10 * GROUP)}[bits]
     groups = ((panels, k // GROUP, PANEL), torch.float16)
     return {"q": (q, torch.int8 if bits == 8 else torch.uint8), "scale": groups, "zero": groups}
 
@@ -67,12 +75,12 @@ def pack(w: torch.Tensor, bits: int) -> tuple[PackedWeight, float]:
     wg = F.pad(w.float(), (0, 0, 0, n_pad - n)).view(n_pad, k // GROUP, GROUP)
     scale, zero = _scale_zero(wg, bits)
     step = scale.float().unsqueeze(-1)
-    safe_step = torch.where(step > 0, step, 1.0)
+    safe_step = torch.where(step != 0, step, 1.0)  # int5 steps may be negative (Q5_0's d)
     # In place, and without the int8 zero (w - 0 is w): each pass over a big weight counts.
     q = wg / safe_step if bits == 8 else (wg - zero.float().unsqueeze(-1)).div_(safe_step)
     q = q.round_().clamp_(*_q_range(bits))
     moved = q * step if bits == 8 else (q * step).add_(zero.float().unsqueeze(-1))
-    error = moved.sub_(wg).abs_().div_(safe_step).max()
+    error = moved.sub_(wg).abs_().div_(safe_step.abs()).max()
     packed = PackedWeight(_panel_q(q.view(n_pad, k), bits), _panel_groups(scale), _panel_groups(zero),
                           bits, n, k)
     return packed, float(error)
@@ -93,7 +101,7 @@ def probe_rows(w: torch.Tensor) -> torch.Tensor:
 
 
 def _q_range(bits: int) -> tuple[int, int]:
-    return (0, 15) if bits == 4 else (-127, 127)
+    return (-127, 127) if bits == 8 else (0, LEVELS[bits])
 
 
 def _scale_zero(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +110,66 @@ def _scale_zero(wg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
         # seconds per large tensor at load for a rounding of 1/16 of such a grid's step
         scale = (wg.abs().amax(-1) / LEVELS[8]).half()
         return scale, torch.zeros_like(scale)
+    if bits == 5:
+        return _scale_zero5(wg)
     low, high = wg.amin(-1), wg.amax(-1)
     usual = (high - low) / LEVELS[4]
     step = _grid_step(wg, low, usual, high - low, LEVELS[4])
     return torch.where(step.isfinite(), step, usual).half(), low.half()
+
+
+def _scale_zero5(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int5: scale s and zero -16 s where a group lies on a Q5_0 grid (`_offset_grid_step`; both
+    exact in fp16, so dequantizing gives the weights back bit for bit), else the group's range
+    over 32 levels (zero its minimum; a Q5_1 block's own grid up to the fp16 rounding)."""
+    step = _offset_grid_step(wg)
+    scale, zero = step.half(), (-16 * step).half()
+    rest = step.isnan()
+    if rest.any():
+        w = wg[rest]  # [groups, 32]
+        low, high = w.amin(-1), w.amax(-1)
+        scale[rest] = ((high - low) / LEVELS[5]).half()
+        zero[rest] = low.half()
+    return scale, zero
+
+
+def _offset_grid_step(wg: torch.Tensor) -> torch.Tensor:
+    """Per [row, group], an fp16 step s (possibly negative) with every w / s an integer in
+    -16..15 (GGUF Q5_0: w = d * (q - 16)), else NaN; 0 for a group of zeros. llama.cpp's
+    quantizer puts the largest |w| at level -16 (d = max / -16, max signed); its imatrix search
+    may put it at any level m, so the steps |w_max| / m come next, largest level first. A probe
+    of rows spread over the tensor comes first: weights on no such grid skip the search."""
+    probe = torch.linspace(0, wg.shape[0] - 1, min(PROBE_ROWS, wg.shape[0])).long()
+    if wg.shape[0] > PROBE_ROWS and not _offset_search(wg[probe]).isfinite().any():
+        return torch.full(wg.shape[:-1], torch.nan, device=wg.device)
+    return _offset_search(wg)
+
+
+def _offset_search(wg: torch.Tensor) -> torch.Tensor:
+    shape, w = wg.shape[:-1], wg.reshape(-1, wg.shape[-1])
+    largest, at = w.abs().max(-1)
+    extreme = w.gather(-1, at.unsqueeze(-1)).squeeze(-1)
+    found = torch.where(largest == 0, 0.0, torch.nan)
+    todo = (largest > 0).nonzero().squeeze(-1)
+    for level in range(16, 0, -1):
+        if not len(todo):
+            break
+        candidate = -extreme[todo] / 16 if level == 16 else largest[todo] / level
+        step = candidate.half().float()  # the step the packed weight will hold
+        # the first 4 weights of a group rule most candidates out, at an eighth of the cost
+        maybe = (step != 0) & _on_steps(w[todo, :4], step)
+        fits = maybe.clone()
+        fits[maybe] = _on_steps(w[todo[maybe]], step[maybe])
+        found[todo[fits]] = step[fits]
+        todo = todo[~fits]
+    return found.view(shape)
+
+
+def _on_steps(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Per row of w: every w / step is an integer in -16..15 (within GRID_TOLERANCE)."""
+    levels = w / step.unsqueeze(-1)
+    return ((levels - levels.round()).abs() < GRID_TOLERANCE).all(-1) & \
+        (levels.amin(-1) > -16 - GRID_TOLERANCE) & (levels.amax(-1) < 15 + GRID_TOLERANCE)
 
 
 def _grid_step(wg: torch.Tensor, origin: torch.Tensor, usual: torch.Tensor, span: torch.Tensor,
@@ -165,9 +229,24 @@ def _panel_q(q: torch.Tensor, bits: int) -> torch.Tensor:
     quads = q.view(n_pad // PANEL, 2, PANEL // 2, k // 4, 4).permute(0, 3, 1, 2, 4)
     if bits == 8:
         return quads.to(torch.int8).reshape(n_pad // PANEL, k // 4, 4 * PANEL).contiguous()
+    if bits == 5:
+        return _panel_q5(q)
     nibbles = quads.to(torch.uint8)
     packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)  # rows 0..7 low, rows 8..15 high
     return packed.reshape(n_pad // PANEL, k // 4, 2 * PANEL).contiguous()
+
+
+def _panel_q5(q: torch.Tensor) -> torch.Tensor:
+    """[n_pad, k] levels 0..31 -> [n_pad / 16, k / 32, 320] (see `PackedWeight.q`)."""
+    n_pad, k = q.shape
+    # [panel, half, row, group, quad, i] -> [panel, group, quad, half, row, i]
+    levels = q.to(torch.uint8).view(n_pad // PANEL, 2, PANEL // 2, k // GROUP, GROUP // 4, 4)
+    levels = levels.permute(0, 3, 4, 1, 2, 5)
+    low = levels & 15
+    nibbles = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).flatten(2)  # [panel, group, 256]
+    shifts = torch.arange(GROUP // 4, dtype=torch.uint8, device=q.device).view(1, 1, -1, 1, 1, 1)
+    high = ((levels >> 4) << shifts).sum(2, dtype=torch.uint8).flatten(2)  # bit j: quad j; [.., 64]
+    return torch.cat([nibbles, high], -1).contiguous()
 
 
 def _panel_groups(values: torch.Tensor) -> torch.Tensor:
@@ -181,6 +260,13 @@ def unpack_levels(w: PackedWeight) -> torch.Tensor:
     panels = w.q.shape[0]
     if w.bits == 8:
         quads = w.q.view(panels, w.k // 4, 2, PANEL // 2, 4)
+    elif w.bits == 5:
+        groups = w.q.view(panels, w.k // GROUP, 10 * GROUP)
+        nibbles = groups[..., : 8 * GROUP].reshape(panels, w.k // GROUP, GROUP // 4, PANEL // 2, 4)
+        low = torch.stack([nibbles & 15, nibbles >> 4], dim=3)  # [panel, group, quad, half, row, i]
+        high = groups[..., 8 * GROUP :].reshape(panels, w.k // GROUP, 1, 2, PANEL // 2, 4)
+        shifts = torch.arange(GROUP // 4, dtype=torch.uint8, device=w.q.device).view(1, 1, -1, 1, 1, 1)
+        quads = (low | (((high >> shifts) & 1) << 4)).reshape(panels, w.k // 4, 2, PANEL // 2, 4)
     else:
         nibbles = w.q.view(panels, w.k // 4, PANEL // 2, 4)
         quads = torch.stack([nibbles & 15, nibbles >> 4], dim=2)

@@ -2,8 +2,9 @@
 
 `--quantization`: "none" keeps nn.Linear / nn.Embedding in the model dtype (exact path);
 "int8" packs every weight to int8; "int4" packs decoder linears to int4 and embeddings /
-lm_head to int8; "auto" is "int4" for a linear whose weights already sit on a 4-bit grid
-(GGUF Q4_0 / Q4_1: lossless), otherwise int8. The backend (backends/) supplies the packing
+lm_head to int8; "auto" packs a linear to int4 where its weights already sit on a 4-bit grid
+(GGUF Q4_0 / Q4_1: lossless), else to int5 where they sit on a 5-bit one (Q5_0: lossless),
+otherwise to int8. The backend (backends/) supplies the packing
 and the kernels that read it (`QuantKernels`): the CPU's C kernels, or the portable
 dequantize-then-F.linear ones.
 
@@ -31,8 +32,10 @@ QUANTIZATIONS = ("none", "int8", "int4", "auto")
 ACTIVATION_QUANTIZATIONS = ("none", "int8", "int16")
 # A weight within 2% of a level's step counts as on the 4-bit grid: what the fp16 scale and
 # zero cost a Q4_K sub-block (its scale is fp16 x 6 bits); packing it to int8 instead would move
-# weights by up to 15 / 254 / 2 = 3% of that step, in twice the bytes.
+# weights by up to 15 / 254 / 2 = 3% of that step, in twice the bytes. The same bound decides
+# int5 (Q5_0 grids pack to it exactly).
 LOSSLESS_STEP_FRACTION = 0.02
+AUTO_BITS = (4, 5)  # tried in this order; a weight on neither grid packs to int8
 
 Pack = Callable[[torch.Tensor, int], tuple[PackedWeight, float]]  # (w, bits) -> (packed, error)
 Matmul = Callable[[torch.Tensor, PackedWeight, torch.Tensor | None], torch.Tensor]
@@ -62,12 +65,13 @@ PORTABLE_KERNELS = QuantKernels(portable.pack, portable.quant_linear, portable.q
 
 class PackedRows(nn.Module):
     """A weight [n, k] that arrives in row shards and is packed once every row is in. With
-    bits None, the 4-bit attempt packs the probe rows first (`probe_rows`): most GGUF
-    types (Q5_0, Q8_0, Q6_K) fail there, and go straight to int8 without a whole 4-bit pack."""
+    bits None, each of the 4- and 5-bit attempts packs the probe rows first (`probe_rows`):
+    most GGUF types fail there (Q5_0 the 4-bit one; Q8_0, Q6_K both) and go on without a
+    whole pack at that width."""
 
     def __init__(self, n: int, k: int, bits: int | None, pack: Pack) -> None:
         super().__init__()
-        self.n, self.k, self.bits = n, k, bits  # bits None: 4 if lossless, else 8
+        self.n, self.k, self.bits = n, k, bits  # bits None: 4 or 5 if lossless, else 8
         self._pack_weight = pack
         self.packed: PackedWeight | None = None
         self._staged: dict[int, torch.Tensor] = {}
@@ -82,15 +86,21 @@ class PackedRows(nn.Module):
             self._staged = {}
 
     def _pack(self, w: torch.Tensor) -> None:
-        bits = self.bits or (4 if self._pack_weight(probe_rows(w), 4)[1] <= LOSSLESS_STEP_FRACTION else 8)
-        packed, error = self._pack_weight(w, bits)
-        if self.bits is None and bits == 4 and error > LOSSLESS_STEP_FRACTION:
-            packed, _ = self._pack_weight(w, 8)
-        self.use_packed(packed)
+        if self.bits:
+            self.use_packed(self._pack_weight(w, self.bits)[0])
+            return
+        probe = probe_rows(w)
+        for bits in AUTO_BITS:
+            if self._pack_weight(probe, bits)[1] <= LOSSLESS_STEP_FRACTION:
+                packed, error = self._pack_weight(w, bits)
+                if error <= LOSSLESS_STEP_FRACTION:
+                    self.use_packed(packed)
+                    return
+        self.use_packed(self._pack_weight(w, 8)[0])
 
     @property
     def allowed_bits(self) -> tuple[int, ...]:
-        return (self.bits,) if self.bits else (4, 8)
+        return (self.bits,) if self.bits else (*AUTO_BITS, 8)
 
     def use_packed(self, packed: PackedWeight) -> None:
         """Takes a weight packed earlier (the weight cache's) as this one's."""

@@ -46,7 +46,7 @@ from pypto_serving.models.packed_state import packed_state, restore_state
 
 log = structlog.get_logger()
 
-PACKING_VERSION = 1
+PACKING_VERSION = 2  # 2: --quantization auto packs Q5_0 grids to int5
 # The modules whose code decides the tensors an entry holds.
 SOURCES = ("loader/gguf_file.py", "loader/gguf_reader.py", "loader/hf.py", "models/weights.py",
            "models/quant.py", "models/packed_state.py", "kernels/quant_linear.py", "worker/weight_cache.py")

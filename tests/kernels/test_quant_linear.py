@@ -1,4 +1,4 @@
-"""Packed int8 / int4 weights: lossless packing of GGUF-style grids, and the CPU kernels
+"""Packed int8 / int5 / int4 weights: lossless packing of GGUF-style grids, and the CPU kernels
 against the portable dequantize-then-F.linear path, including batch invariance."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ needs_kernels = pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C
 
 
 def on_grid(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
-    """Weights as GGUF Q4_1 (q * d + m, q in 0..15) or Q8_0 (q * d) dequantize them: fp16
+    """Weights as GGUF Q4_1 (q * d + m, q in 0..15), Q5_0 (d * (q - 16)) or Q8_0 (q * d) dequantize them: fp16
     scales, and every group reaching both ends of its range, as llama.cpp's quantizer makes it."""
     g = torch.Generator().manual_seed(seed)
     groups = k // GROUP
@@ -31,12 +31,17 @@ def on_grid(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
         q[..., 0], q[..., 1] = 0, 15
         m = (torch.randn(n, groups, 1, generator=g) * 0.1).half().float()
         return (q * d + m).view(n, k)
+    if bits == 5:  # Q5_0: d * (q - 16), d of either sign, the largest |w| at q = 0
+        d = torch.where(torch.rand(n, groups, 1, generator=g) < 0.5, -d, d)
+        q = torch.randint(0, 32, (n, groups, GROUP), generator=g).float()
+        q[..., 0] = 0
+        return (d * (q - 16)).view(n, k)
     q = torch.randint(-127, 128, (n, groups, GROUP), generator=g).float()
     q[..., 0] = 127
     return (q * d).view(n, k)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_gguf_grids_pack_losslessly(bits: int) -> None:
     w = on_grid(40, 96, bits)
     packed, error = pack(w, bits)
@@ -57,6 +62,50 @@ def test_the_probe_rows_error_never_exceeds_the_whole_weights(n: int) -> None:
         assert (pack(probe_rows(rows), 4)[1] < 1e-3) == (pack(rows, 4)[1] < 1e-3)
 
 
+def weights(n: int, k: int, bits: int) -> torch.Tensor:
+    """Random weights; for int5 every other group on a Q5_0 grid (scales of either sign, zero
+    -16 scale) and the rest off any grid (scale and zero from the group's range)."""
+    w = torch.randn(n, k)
+    if bits == 5:
+        grid = on_grid(n, k, 5).view(n, k // GROUP, GROUP)
+        w.view(n, k // GROUP, GROUP)[:, ::2] = grid[:, ::2]
+    return w
+
+
+def test_q5_0_tensors_pack_to_int5_exactly() -> None:
+    """gguf-py's own Q5_0 quantizer and dequantizer: the int5 panels give its weights back bit
+    for bit, and the levels are those of the Q5_0 blocks."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    q5_0 = gguf.GGMLQuantizationType.Q5_0
+    x = np.random.default_rng(0).standard_normal((48, 320)).astype(np.float32)
+    x[3, :GROUP] = 0.0  # an all-zero block
+    w = torch.from_numpy(gguf_dequantize(gguf_quantize(x, q5_0), q5_0).copy())
+    packed, error = pack(w, 5)
+    assert error == 0.0
+    assert torch.equal(dequantize(packed), w)
+    assert packed.q.numel() == 48 * 320 * 5 // 8  # 5/8 of int8's bytes
+    _, error4 = pack(w, 4)
+    assert error4 > 0.3  # not on a 4-bit grid
+
+
+def test_int5_levels_round_trip() -> None:
+    torch.manual_seed(1)
+    n, k = 40, 128
+    levels = torch.randint(0, 32, (n, k)).float()
+    step = (torch.rand(n, k // GROUP, 1) * 0.01 + 0.001).half().float()
+    w = (step * (levels.view(n, k // GROUP, GROUP) - 16)).view(n, k)
+    w.view(n, k // GROUP, GROUP)[..., 0] = -16 * step[..., 0]  # the largest |w| at level 0
+    levels.view(n, k // GROUP, GROUP)[..., 0] = 0
+    packed, error = pack(w, 5)
+    assert error == 0.0
+    assert torch.equal(unpack_levels(packed)[:n], levels)
+    assert torch.equal(dequantize(packed), w)
+
+
 def test_off_grid_weights_report_their_error() -> None:
     w = torch.randn(32, 64)
     packed, error = pack(w, 4)
@@ -73,13 +122,13 @@ def test_portable_linear_is_f_linear_of_the_dequantized_weight() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 13, 40])
 def test_cpu_kernel_matches_portable(bits: int, m: int) -> None:
     from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu
 
     n, k = 40, 96  # n is not a whole number of 16-row panels: padded and cut
-    packed, _ = pack(torch.randn(n, k), bits)
+    packed, _ = pack(weights(n, k, bits), bits)
     x = torch.randn(m, k)
     bias = torch.randn(48)  # padded to the panels
     got = quant_linear_cpu(x, packed, bias)
@@ -89,13 +138,13 @@ def test_cpu_kernel_matches_portable(bits: int, m: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_cpu_kernel_rows_do_not_depend_on_the_batch(bits: int) -> None:
     """Bit for bit: one row alone (the decode path) equals that row among 40 (the tiled path,
     over more than one pass of rows since k is large)."""
     from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu
 
-    packed, _ = pack(torch.randn(64, 2048), bits)
+    packed, _ = pack(weights(64, 2048, bits), bits)
     x = torch.randn(40, 2048)
     together = quant_linear_cpu(x, packed)
     alone = torch.cat([quant_linear_cpu(x[i : i + 1], packed) for i in range(40)])
@@ -105,13 +154,32 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(bits: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_cpu_gather_equals_portable_rows(bits: int) -> None:
     from pypto_serving.kernels.cpu.qlinear import quant_embedding_cpu
 
-    packed, _ = pack(torch.randn(50, 64), bits)
+    packed, _ = pack(weights(50, 64, bits), bits)
     ids = torch.tensor([0, 7, 8, 15, 16, 49, 7])
     assert torch.equal(quant_embedding_cpu(ids, packed), quant_embedding(ids, packed))
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 7])
+def test_int5_sums_past_16_bits(m: int) -> None:
+    """Every level 31 against every input at +127: a group's integer dot (32 * 31 * 127) is
+    past what 16-bit partial sums hold, in every activation mode."""
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu, quant_linear_cpu_q8, quant_linear_cpu_q16
+
+    n, k = 32, 256
+    w = torch.full((n, k), 15.0)
+    w[:, ::GROUP] = -16.0  # Q5_0 with d = 1: levels 31 and, at the start of each group, 0
+    packed, error = pack(w, 5)
+    assert error == 0.0 and unpack_levels(packed).amax() == 31
+    x = torch.ones(m, k)
+    exact = quant_linear(x, packed)
+    torch.testing.assert_close(quant_linear_cpu(x, packed), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(quant_linear_cpu_q8(x, packed), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(quant_linear_cpu_q16(x, packed), exact, rtol=1e-6, atol=0)
 
 
 @needs_kernels
@@ -142,13 +210,13 @@ def int8_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 40])
 def test_int8_activation_kernel_computes_the_quantized_product(bits: int, m: int) -> None:
     from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q8
 
     n, k = 40, 256
-    packed, _ = pack(torch.randn(n, k), bits)
+    packed, _ = pack(weights(n, k, bits), bits)
     x = torch.randn(m, k)
     x[0, :GROUP] = 0.0  # an all-zero group quantizes to zeros, not NaN
     bias = torch.randn(48)
@@ -162,11 +230,11 @@ def test_int8_activation_kernel_computes_the_quantized_product(bits: int, m: int
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_int8_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q8
 
-    packed, _ = pack(torch.randn(64, 4096), bits)
+    packed, _ = pack(weights(64, 4096, bits), bits)
     x = torch.randn(40, 4096)  # over one pass of rows (30 at this k)
     together = quant_linear_cpu_q8(x, packed)
     alone = torch.cat([quant_linear_cpu_q8(x[i : i + 1], packed) for i in range(40)])
@@ -191,13 +259,13 @@ def int16_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 40])
 def test_int16_activation_kernel_is_near_the_float_product(bits: int, m: int) -> None:
     from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q8, quant_linear_cpu_q16
 
     n, k = 40, 256
-    packed, _ = pack(torch.randn(n, k), bits)
+    packed, _ = pack(weights(n, k, bits), bits)
     x = torch.randn(m, k)
     x[0, :GROUP] = 0.0
     bias = torch.randn(48)
@@ -212,11 +280,11 @@ def test_int16_activation_kernel_is_near_the_float_product(bits: int, m: int) ->
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_int16_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q16
 
-    packed, _ = pack(torch.randn(64, 4096), bits)
+    packed, _ = pack(weights(64, 4096, bits), bits)
     x = torch.randn(41, 4096)
     together = quant_linear_cpu_q16(x, packed)
     alone = torch.cat([quant_linear_cpu_q16(x[i : i + 1], packed) for i in range(41)])

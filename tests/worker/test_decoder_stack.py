@@ -8,7 +8,11 @@ import torch
 
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels import cpu
-from tests.worker.tiny_models import BLOCK_SIZE, Driver
+from pypto_serving.loader.gguf_file import arch_from_gguf
+from pypto_serving.messages.worker import ModelConfig, ModelFormat
+from pypto_serving.models.quant import QuantLinear
+from pypto_serving.worker.model_runner import ModelRunner
+from tests.worker.tiny_models import BLOCK_SIZE, Driver, worker_config, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
 PROMPTS = [[(5 * i + 11 + j) % 256 for i in range(n)] for j, n in enumerate((9, 3, 14, 23))]
@@ -50,6 +54,27 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str,
     got, want = steps_of_every_kind(fast), steps_of_every_kind(slow)
     assert len(calls) == len(got) == 8  # every step
     for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert fast.tokens == slow.tokens
+
+
+@pytest.mark.parametrize("activations", ["none", "int8", "int16"])
+def test_stack_reads_int5_weights_as_the_per_layer_path(tmp_path, activations: str) -> None:
+    """A Q5_0 GGUF's linears pack to int5 under auto; the stack and the per-layer path agree bit
+    for bit on them too."""
+    path = str(write_tiny_gguf(tmp_path / "q5_0.gguf", "qwen2_tied", linear_type="Q5_0"))
+    model = ModelConfig(path, ModelFormat.GGUF, arch_from_gguf(path))
+
+    def make() -> Driver:
+        config = worker_config(model, quantization="auto", activation_quantization=activations)
+        return Driver(ModelRunner(config))
+
+    fast, slow = make(), make()
+    bits = {m.weight.packed.bits for m in fast.runner.model.modules() if isinstance(m, QuantLinear)}
+    assert 5 in bits
+    assert fast.runner.stack is not None
+    slow.runner.stack = None
+    for g, w in zip(steps_of_every_kind(fast), steps_of_every_kind(slow), strict=True):
         assert torch.equal(g, w)
     assert fast.tokens == slow.tokens
 

@@ -223,9 +223,10 @@ class Oracle:
         return out[0, len(prompt) :].tolist()
 
 
-def write_tiny_gguf(path: Path, name: str = "llama") -> Path:
+def write_tiny_gguf(path: Path, name: str = "llama", linear_type: str = "Q4_1") -> Path:
     """A tiny checkpoint as llama.cpp would convert it: linears in Q4_1 (packed to int4 by
-    --quantization auto), the embedding and lm_head in Q8_0, norms in F32."""
+    --quantization auto; or `linear_type`, e.g. Q5_0 for int5), the embedding and lm_head in
+    Q8_0, norms in F32."""
     import gguf
     from gguf.quants import quantize
 
@@ -247,7 +248,7 @@ def write_tiny_gguf(path: Path, name: str = "llama") -> Path:
         writer_name, data = _gguf_tensor(hf_name, tensor.numpy(), names, a)
         q = gguf.GGMLQuantizationType
         head = "embd" in writer_name or writer_name.startswith("output.")
-        qtype = q.F32 if data.ndim == 1 else q.Q8_0 if head else q.Q4_1
+        qtype = q.F32 if data.ndim == 1 else q.Q8_0 if head else q[linear_type]
         raw = data if qtype == q.F32 else quantize(data, qtype)
         writer.add_tensor(writer_name, raw, raw_dtype=None if qtype == q.F32 else qtype)
     writer.write_header_to_file()

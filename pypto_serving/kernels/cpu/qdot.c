@@ -2,7 +2,7 @@
  * CPU: its Q4_1 x Q8_1 dot products).
  *
  * The weights are the panels of qlinear.c, read as they are stored (16 output rows per panel,
- * int4 levels 0..15 with scale and zero, or int8 levels with scale). Each row of x is quantized
+ * int4 levels 0..15 or int5 levels 0..31 with scale and zero, or int8 levels with scale). Each row of x is quantized
  * per group of 32 along K: d = max|x| / 127, xq = round(x * 127 / max|x|) in [-127, 127], and
  * the sum of the group's quantized inputs, sx = d * sum(xq), is kept for the zero term (as
  * llama.cpp's Q8_1 keeps it). Per group g and output n,
@@ -15,7 +15,8 @@
  * Dot products use "k-quads": a 32-bit lane holds one output row's levels at 4 consecutive k,
  * so vpmaddubsw + vpmaddwd sum them against the same 4 bytes of x broadcast to every lane. The
  * panels are stored in quads (kernels/quant_linear.py): 4 k of a panel are one register of
- * int8 levels per 8 rows, or one register of nibbles for all 16.
+ * int8 levels per 8 rows, or one register of nibbles for all 16 (int5: plus, per group, two
+ * registers of high bits, bit j for quad j).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -40,6 +41,26 @@ INLINE void quads4(const uint8_t *q, int64_t k, __m256i *a, __m256i *b) {
     *b = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 }
 
+/* Bit j of each byte of h as 16 (bit 4): int5's high bits for quad j. */
+INLINE __m256i high_bits(__m256i h, const int j) {
+    __m256i v = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(16));
+}
+
+/* 5-bit panel, quad j of a group (g: the group's 320 bytes): its nibbles as int4's, or'd with
+ * the high bits ha (rows 0..7) and hb (rows 8..15) loaded once per group. */
+INLINE void quads5(const uint8_t *g, const int j, __m256i ha, __m256i hb, __m256i *a, __m256i *b) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)(g + 32 * j));
+    const __m256i low = _mm256_set1_epi8(15);
+    *a = _mm256_or_si256(_mm256_and_si256(v, low), high_bits(ha, j));
+    *b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), high_bits(hb, j));
+}
+
+INLINE void high5(const uint8_t *g, __m256i *ha, __m256i *hb) {
+    *ha = _mm256_loadu_si256((const __m256i *)(g + 8 * 32));
+    *hb = _mm256_loadu_si256((const __m256i *)(g + 9 * 32));
+}
+
 /* 8-bit panel, k .. k+3: 64 bytes, rows 0..7 then rows 8..15, byte 4 r + i = row r at k + i. */
 INLINE void quads8(const uint8_t *q, int64_t k, __m256i *a, __m256i *b) {
     *a = _mm256_loadu_si256((const __m256i *)(q + k * 16));
@@ -54,8 +75,15 @@ INLINE __m256i quad_of(const int8_t *xq) {
 
 /* int4: 16-bit partial sums over a group stay below 8 * 2 * 15 * 127 = 30480, so they add up
  * in 16 bits and widen once per group. int8: widen every quad (2 * 127 * 127 fits 16 bits).
+ * int5: a group's sums reach 8 * 2 * 31 * 127 = 62992, past 16 bits: widen every quad too.
  * A group's first quad starts its sum (first = 1) rather than adding to zeros. */
+INLINE __m256i quad_dot5(__m256i acc, __m256i w, __m256i x, const int first) {
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    return first ? p : _mm256_add_epi32(acc, p);
+}
+
 INLINE __m256i quad_dot(__m256i acc, __m256i w, __m256i x, const int bits, const int first) {
+    if (bits == 5) return quad_dot5(acc, w, x, first);
     if (bits == 4) {
         __m256i p = _mm256_maddubs_epi16(w, x);
         return first ? p : _mm256_add_epi16(acc, p);
@@ -64,6 +92,7 @@ INLINE __m256i quad_dot(__m256i acc, __m256i w, __m256i x, const int bits, const
     p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
     return first ? p : _mm256_add_epi32(acc, p);
 }
+
 
 INLINE __m256i widen(__m256i acc, int bits) {
     return bits == 4 ? _mm256_madd_epi16(acc, _mm256_set1_epi16(1)) : acc;
@@ -179,9 +208,15 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
     for (int64_t g = 0; g < k_len / GROUP; g++) {
         __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
         __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
-        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
+        const uint8_t *q5 = q + g * 10 * GROUP;
+        __m256i ha = _mm256_setzero_si256(), hb = ha;
+        if (bits == 5) high5(q5, &ha, &hb);
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            int64_t k = g * GROUP + 4 * j;
             __m256i a, b, xv = quad_of(x->q + k);
             if (bits == 4) quads4(q, k, &a, &b);
+            else if (bits == 5) quads5(q5, j, ha, hb, &a, &b);
             else quads8(q, k, &a, &b);
             t0 = quad_dot(t0, a, xv, bits, 0);
             t1 = quad_dot(t1, b, xv, bits, 0);
@@ -210,13 +245,14 @@ static void gemv(const Rows *x, int64_t k, int64_t n_blocks, const uint8_t *q, c
     for (int64_t nb = 0; nb < n_blocks; nb++) {
         const float *bb = bias ? bias + nb * NB : 0;
         if (bits == 4) row_panel(x, q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, 4, k, y + nb * NB, bb);
+        else if (bits == 5) row_panel(x, q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, 5, k, y + nb * NB, bb);
         else row_panel(x, q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, 8, k, y + nb * NB, bb);
     }
 }
 
 /* ---- M > 1: scales, zeros (and int4 levels) made once per panel into scratch, reused by every row ---- */
 
-/* A panel's quads [k / 4][2] (int8: the stored panel itself; int4: unpacked into scratch) and
+/* A panel's quads [k / 4][2] (int8: the stored panel itself; int4, int5: unpacked into scratch) and
  * per group its 16 scales and 16 zeros as floats (in scratch). */
 typedef struct {
     const __m256i *quads;
@@ -335,23 +371,30 @@ INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, int64_
 static __thread __m256i *scratch;
 static __thread int64_t scratch_len;
 
-/* The panel's quads (int4: unpacked into this thread's scratch) and its scales and zeros as
- * floats in that scratch; .quads NULL when out of memory. */
+/* The panel's quads (int4, int5: unpacked into this thread's scratch) and its scales and zeros
+ * as floats in that scratch; .quads NULL when out of memory. */
 static Panel panel_prepare(const uint8_t *q, const uint16_t *scale, const uint16_t *zero, int bits, int64_t k) {
-    int64_t groups = k / GROUP, levels = bits == 4 ? k / 2 : 0;
+    int64_t groups = k / GROUP, levels = bits == 8 ? 0 : k / 2;
     int64_t need = levels + groups * 4; /* 4 registers' worth of floats per group */
     if (scratch_len < need) {
         free(scratch);
         scratch = aligned_alloc(64, (size_t)need * sizeof(__m256i));
         scratch_len = scratch ? need : 0;
     }
-    Panel p = {bits == 4 ? scratch : (const __m256i *)q, (const float *)(scratch + levels)};
+    Panel p = {bits == 8 ? (const __m256i *)q : scratch, (const float *)(scratch + levels)};
     if (!scratch) {
         p.quads = 0;
         return p;
     }
     if (bits == 4)
         for (int64_t i = 0; i < k; i += 4) quads4(q, i, scratch + i / 2, scratch + i / 2 + 1);
+    if (bits == 5)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *q5 = q + g * 10 * GROUP;
+            __m256i ha, hb, *out = scratch + g * 2 * QUADS;
+            high5(q5, &ha, &hb);
+            for (int j = 0; j < QUADS; j++) quads5(q5, j, ha, hb, out + 2 * j, out + 2 * j + 1);
+        }
     float *sz = (float *)(scratch + levels);
     for (int64_t g = 0; g < groups; g++)
         for (int h = 0; h < NB; h += 8) {
@@ -378,6 +421,7 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
         const float *b = bias ? bias + nb * NB : 0;
         const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
         if (bits == 4) panel_rows(x, m, p, 4, k, y + nb * NB, ldy, b, next);
+        else if (bits == 5) panel_rows(x, m, p, 5, k, y + nb * NB, ldy, b, next);
         else panel_rows(x, m, p, 8, k, y + nb * NB, ldy, b, next);
     }
     return failed;

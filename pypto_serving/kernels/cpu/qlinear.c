@@ -3,7 +3,9 @@
  * y[M, N] = x[M, K] @ W^T (+ bias), W stored as panels of 16 output rows:
  *   q      [N/16][K/4] quads (kernels/quant_linear.py): bits 8, 64 bytes, byte 32 h + 4 r + i
  *          = row 8 h + r at k = 4 j + i (int8); bits 4, 32 bytes, byte 4 r + i = row r in its
- *          low nibble and row r + 8 in its high one at k = 4 j + i (unsigned);
+ *          low nibble and row r + 8 in its high one at k = 4 j + i (unsigned); bits 5, per group
+ *          of 32 (320 bytes): the 8 quads' nibbles as bits 4 has them, then 64 bytes of high
+ *          bits, byte 32 h + 4 r + i holding in bit j bit 4 of row 8 h + r at k = 32 g + 4 j + i;
  *   scale  [N/16][K/32][16] fp16 and zero [N/16][K/32][16] fp16 per group of 32 along K:
  *          w = q * scale + zero.
  *
@@ -39,6 +41,21 @@ INLINE void levels(const uint8_t *q, int64_t k, const int bits, __m256 *a, __m25
         __m256i w = _mm256_cvtepu8_epi32(_mm256_castsi256_si128(v));
         ia = _mm256_and_si256(w, _mm256_set1_epi32(15));
         ib = _mm256_srli_epi32(w, 4);
+    } else if (bits == 5) {
+        const uint8_t *g = q + (k >> 5) * 320;
+        const int j = (int)((k >> 2) & 7);
+        const __m256i one = _mm256_set1_epi32(1);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(g + 32 * j));
+        __m256i ha = _mm256_loadu_si256((const __m256i *)(g + 256));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(g + 288));
+        v = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, pick), join);
+        ha = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(ha, pick), join);
+        hb = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(hb, pick), join);
+        __m256i w = _mm256_cvtepu8_epi32(_mm256_castsi256_si128(v));
+        ha = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm256_castsi256_si128(ha)), j), one);
+        hb = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm256_castsi256_si128(hb)), j), one);
+        ia = _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi32(15)), _mm256_slli_epi32(ha, 4));
+        ib = _mm256_or_si256(_mm256_srli_epi32(w, 4), _mm256_slli_epi32(hb, 4));
     } else {
         const uint8_t *p = q + (k >> 2) * 64;
         __m256i lo = _mm256_loadu_si256((const __m256i *)p);
@@ -105,6 +122,7 @@ static void row_dispatch(const float *x, const float *sx, const Panel *p, int np
 #define ROW_CASE(n)                                              \
     case n:                                                      \
         if (bits == 4) row_fused(x, sx, p, n, 4, k, y, bias);    \
+        else if (bits == 5) row_fused(x, sx, p, n, 5, k, y, bias); \
         else row_fused(x, sx, p, n, 8, k, y, bias);              \
         break;
     switch (np) { ROW_CASE(1) ROW_CASE(2) ROW_CASE(3) default: ROW_CASE(4) }
@@ -168,6 +186,7 @@ static void unpack_levels(const uint8_t *q, int bits, int64_t k_len, float *out)
     for (int64_t k = 0; k < k_len; k++) {
         __m256 a, b;
         if (bits == 4) levels(q, k, 4, &a, &b);
+        else if (bits == 5) levels(q, k, 5, &a, &b);
         else levels(q, k, 8, &a, &b);
         _mm256_store_ps(out + k * NB, a);
         _mm256_store_ps(out + k * NB + 8, b);
@@ -259,8 +278,15 @@ void qgather(const int64_t *ids, int64_t t, int64_t k, const uint8_t *q, const u
         for (int64_t kk = 0; kk < k; kk++) {
             int64_t g = (nb * groups + kk / GROUP) * NB + lane;
             int64_t quad = kk / 4 * bits * 8, row = lane % 8 * 4 + kk % 4;
-            int qv = bits == 4 ? (lane < 8 ? pq[quad + row] & 15 : pq[quad + row] >> 4)
+            int qv;
+            if (bits == 5) {
+                const uint8_t *pg = pq + kk / GROUP * 320;
+                int j = (int)(kk / 4 % 8), nib = pg[32 * j + row];
+                qv = (lane < 8 ? nib & 15 : nib >> 4) | (pg[256 + lane / 8 * 32 + row] >> j & 1) << 4;
+            } else {
+                qv = bits == 4 ? (lane < 8 ? pq[quad + row] & 15 : pq[quad + row] >> 4)
                                : ((const int8_t *)pq)[quad + lane / 8 * 32 + row];
+            }
             out[i * k + kk] = __builtin_fmaf((float)qv, _cvtsh_ss(s[g]), _cvtsh_ss(z[g]));
         }
     }
