@@ -17,7 +17,7 @@ from pypto_serving.kernels.attention import AttentionMetadata, with_window
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.loader.arch import ModelArch
-from pypto_serving.models.llama import CausalLM, KVCache, Rotary
+from pypto_serving.models.llama import MLP, Attention, CausalLM, KVCache, Rotary
 from pypto_serving.models.quant import LayerFactory
 from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 
@@ -37,41 +37,24 @@ class GemmaRMSNorm(nn.Module):
         return self.ops.gemma_add_norm(x, residual, self.weight, self.eps)
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(Attention):
+    """Llama's attention with Gemma's (1 + w) q/k norms and its query scale."""
+
     def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.tp = tp
-        self.heads, self.kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.sizes = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
-        self.qkv_proj = make.linear(arch.hidden_size, sum(self.sizes), bias=arch.attention_bias)
-        self.o_proj = make.linear(self.heads * self.head_dim, arch.hidden_size)
+        super().__init__(arch, make, tp)
         self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps)
-        self.ops = make.decoder_ops()
         self.scale = arch.attention_scale
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, heads * head_dim], ...
-        q = q.view(tokens, self.heads, self.head_dim)
-        k = k.view(tokens, self.kv_heads, self.head_dim)
-        v = v.view(tokens, self.kv_heads, self.head_dim)
-        # in place where the backend can, so q, k and v stay the projection's views for `attend`
-        q, k = self.ops.gemma_qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        out = self.ops.attend(q, k, v, rotary, kv, meta, self.scale)  # [T, heads, d]
-        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.heads * self.head_dim)))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.gemma_qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.tp = tp
-        self.gate_up_proj = make.linear(arch.hidden_size, 2 * arch.intermediate_size)
-        self.down_proj = make.linear(arch.intermediate_size, arch.hidden_size)
-        self.ops = make.decoder_ops()
+class Gemma3MLP(MLP):
+    """GELU-tanh GeGLU in place of SiLU."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.gelu_tanh_and_mul(gate_up)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -47,10 +47,18 @@ class Attention(nn.Module):
         self.qkv_proj = make.linear(arch.hidden_size, sum(self.sizes), bias=arch.attention_bias)
         self.o_proj = make.linear(self.heads * self.head_dim, arch.hidden_size)
         self.ops = make.decoder_ops()
+        self.scale = self.head_dim**-0.5
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's q/k RMSNorm (in place where the backend can, so q, k and v stay the
+        projection's views for `attend`); q and k as they are without one."""
+        if not self.qk_norm:
+            return q, k
+        return self.ops.qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -58,9 +66,8 @@ class Attention(nn.Module):
         q = q.view(tokens, self.heads, self.head_dim)
         k = k.view(tokens, self.kv_heads, self.head_dim)
         v = v.view(tokens, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.ops.qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        out = self.ops.attend(q, k, v, rotary, kv, meta, self.head_dim**-0.5)  # [T, heads, d]
+        q, k = self.norm_qk(q, k)
+        out = self.ops.attend(q, k, v, rotary, kv, meta, self.scale)  # [T, heads, d]
         return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.heads * self.head_dim)))
 
 
@@ -72,8 +79,11 @@ class MLP(nn.Module):
         self.down_proj = make.linear(arch.intermediate_size, arch.hidden_size)
         self.ops = make.decoder_ops()
 
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(gate_up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.activation(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
