@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq
 from pypto_serving.loader.arch import FAMILIES, ModelArch
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
@@ -38,17 +37,8 @@ def build_model(
         model = CLASSES.get(arch.family, LlamaForCausalLM)(arch, layers, tp)
     # Built on meta, so no time or memory goes into a random init that loading overwrites.
     model = _materialize(model.to(dtype), torch.device(device)).eval().requires_grad_(False)
-    positions = max_positions or arch.max_position_embeddings
-    if isinstance(model, DeepseekV4ForCausalLM):
-        model.keep_float32()
-        model.build_rotary(positions)
-        model.to(device)
-        return model
-    inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
-    model.rope = rope_cache(inv_freq, positions).to(device)
-    if arch.sliding_window:  # the sliding layers' own base, unscaled
-        local = rope_inv_freq(arch.head_dim, arch.rope_local_theta, None)
-        model.rope_local = rope_cache(local, positions).to(device)
+    model.keep_float32()
+    model.build_rotary(max_positions or arch.max_position_embeddings)
     return model
 
 

@@ -45,7 +45,7 @@ from torch import nn
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.compressed_kv import CompressedLayerCache
 from pypto_serving.kernels.moe import fused_moe
-from pypto_serving.kernels.rotary import rope_inv_freq
+from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq
 from pypto_serving.loader.arch import DeepseekV4Shape, ModelArch
 from pypto_serving.models.llama import CausalLM
 from pypto_serving.models.quant import LayerFactory
@@ -86,11 +86,6 @@ def rotary_of(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) 
     """table [P, 2, rope_dim / 2] float32 -> the positions' cos, sin in `dtype`."""
     rows = table[positions]
     return rows[:, 0].to(dtype), rows[:, 1].to(dtype)
-
-
-def rope_table(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
-    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
-    return torch.stack((freqs.cos(), freqs.sin()), dim=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,17 +512,15 @@ class DeepseekV4ForCausalLM(CausalLM):
         # [P, 2, rope_dim / 2] float32 cos/sin of each rotary kind, filled by `build_rotary`
         self.register_buffer("rope_compress", torch.empty(0), persistent=False)
 
-    def build_rotary(self, positions: int) -> None:
-        shape = self.arch.deepseek_v4
-        self.rope = rope_table(rope_inv_freq(shape.rope_dim, self.arch.rope_theta, None), positions)
-        self.rope_compress = rope_table(
-            rope_inv_freq(shape.rope_dim, shape.compress_rope_theta, shape.compress_rope_scaling), positions
-        )
+    float32_parameters = FLOAT32
 
-    def keep_float32(self) -> None:
-        for name, p in self.named_parameters():
-            if p.is_floating_point() and any(part in name for part in FLOAT32):
-                p.data = p.data.float()
+    def build_rotary(self, positions: int) -> None:
+        """The sliding layers' table (`rope`) and the compressed layers' and entries' one."""
+        shape, device = self.arch.deepseek_v4, self.rope.device
+        main = rope_inv_freq(shape.rope_dim, self.arch.rope_theta, None)
+        compress = rope_inv_freq(shape.rope_dim, shape.compress_rope_theta, shape.compress_rope_scaling)
+        self.rope = rope_cache(main, positions).to(device)
+        self.rope_compress = rope_cache(compress, positions).to(device)
 
     def forward(
         self,

@@ -15,7 +15,7 @@ from torch import nn
 
 from pypto_serving.kernels.attention import AttentionMetadata, with_window
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
-from pypto_serving.kernels.rotary import rotary_cos_sin
+from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq, rotary_cos_sin
 from pypto_serving.loader.arch import ModelArch
 from pypto_serving.models.llama import MLP, Attention, CausalLM, KVCache, Rotary
 from pypto_serving.models.quant import LayerFactory
@@ -86,8 +86,15 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, arch: ModelArch, make: LayerFactory | None = None,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__(arch, make, tp, Gemma3Model)
-        # the sliding layers' cos/sin beside the global layers' `rope`, filled by build_model
+        # the sliding layers' cos/sin beside the global layers' `rope`, filled by build_rotary
         self.register_buffer("rope_local", torch.empty(0), persistent=False)
+
+    def build_rotary(self, positions: int) -> None:
+        """The global layers' table, and the sliding layers' with their own base (unscaled)."""
+        super().build_rotary(positions)
+        if self.arch.sliding_window:
+            local = rope_inv_freq(self.arch.head_dim, self.arch.rope_local_theta, None)
+            self.rope_local = rope_cache(local, positions).to(self.rope.device)
 
     def forward(
         self,

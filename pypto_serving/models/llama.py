@@ -17,7 +17,7 @@ from torch import nn
 
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
-from pypto_serving.kernels.rotary import rotary_cos_sin
+from pypto_serving.kernels.rotary import rope_cache, rope_inv_freq, rotary_cos_sin
 from pypto_serving.loader.arch import ModelArch
 from pypto_serving.models.moe import SparseMoeBlock
 from pypto_serving.models.quant import LayerFactory, QuantEmbedding
@@ -137,8 +137,21 @@ class CausalLM(nn.Module):
         self.model = body(local, make, tp)
         if not arch.tie_word_embeddings:
             self.lm_head = make.linear(arch.hidden_size, local.vocab_size, head=True)
-        # [max_positions, 2, head_dim / 2] float32 cos/sin, filled by build_model.
+        # [max_positions, 2, head_dim / 2] float32 cos/sin, filled by build_rotary.
         self.register_buffer("rope", torch.empty(0), persistent=False)
+
+    # Parameters (by a part of their name) kept in float32 whatever the model dtype.
+    float32_parameters: tuple[str, ...] = ()
+
+    def keep_float32(self) -> None:
+        for name, p in self.named_parameters():
+            if p.is_floating_point() and any(part in name for part in self.float32_parameters):
+                p.data = p.data.float()
+
+    def build_rotary(self, positions: int) -> None:
+        """The cos/sin table of positions 0 .. positions - 1, on the model's device."""
+        inv_freq = rope_inv_freq(self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
+        self.rope = rope_cache(inv_freq, positions).to(self.rope.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks)."""
