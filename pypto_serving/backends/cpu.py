@@ -48,7 +48,8 @@ class CpuBackend(PortableBackend):
         matmul = {"int8": qlinear.quant_linear_cpu_q8, "int16": qlinear.quant_linear_cpu_q16}.get(
             activations, qlinear.quant_linear_cpu)
         used = activations if activations in ("int8", "int16") else "none"
-        return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, used, head=qlinear.quant_linear_cpu)
+        head = qlinear.quant_linear_cpu if used == "none" else qlinear.quant_linear_cpu_head
+        return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, used, head=head)
 
     def decoder_ops(self, packed: bool) -> DecoderOps:
         """The fused C kernels come with packed weights; the exact path stays portable."""

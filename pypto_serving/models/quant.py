@@ -9,11 +9,11 @@ and the kernels that read it (`QuantKernels`): the CPU's C kernels, or the porta
 dequantize-then-F.linear ones.
 
 `--activation-quantization int8` (the CPU default with packed weights) makes the C matmuls
-(all but the lm_head's) quantize their input rows to int8 per group of 32 first, as llama.cpp
-does (`int16`: two int8 planes, the second holding each rounding's residual: near exact, at
-twice the integer multiply-adds): about twice the
-multiply-adds per second on 4-bit weights, at the price of a small, batch-independent error
-(each row is quantized on its own, so a request's tokens do not depend on its batch).
+(all but the lm_head's, which takes int16 ones) quantize their input rows to int8 per group
+of 32 first, as llama.cpp does (`int16`: two int8 planes, the second holding each rounding's
+residual: near exact, at twice the integer multiply-adds): about twice the multiply-adds per
+second on 4-bit weights, at the price of a small, batch-independent error (each row is
+quantized on its own, so a request's tokens do not depend on its batch).
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ class QuantKernels:
     matmul: Matmul
     gather: Gather
     activations: str = "none"  # what `matmul` quantizes its inputs to: none, int8, int16
-    # The lm_head's matmul (None: `matmul`). The CPU's keeps float activations there even
-    # when `matmul` quantizes them: it runs on one row per sequence and step, so exactness
-    # costs almost nothing, and its errors go straight into the logits.
+    # The lm_head's matmul (None: `matmul`). Its errors go straight into the logits, so the
+    # CPU's does not take `matmul`'s int8 activations: float ones without activation
+    # quantization, else ~15-bit ones (int16 per group of 32, exact integer dots), which
+    # read its int8 panels at the speed of memory where float activations are bound by
+    # converting the levels (qhead.c).
     head: Matmul | None = None
 
     @property

@@ -291,6 +291,79 @@ def test_int16_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     assert torch.equal(together, alone)
 
 
+def int16_head_reference(x: torch.Tensor, w) -> torch.Tensor:
+    """What qhead.c computes: per group xq = round(x * 32767 / max|x|), d = max|x| / 32767,
+    the exact integer dot with the int8 levels, scaled by d * scale (int8 panels: no zero)."""
+    m, k = x.shape
+    xg = x.view(m, k // GROUP, GROUP)
+    amax = xg.abs().amax(-1, keepdim=True)
+    xq = (xg * torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))).round()
+    levels = unpack_levels(w)[: w.n].view(w.n, k // GROUP, GROUP)
+    dot = torch.einsum("mgk,ngk->mng", xq.double(), levels.double())
+    scale = w.scale.transpose(1, 2).reshape(-1, k // GROUP)[: w.n].double()
+    d = (amax / 32767.0).squeeze(-1).double()
+    return (dot * d[:, None, :] * scale).sum(-1).float()
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 40])
+def test_head_kernel_computes_the_int16_product(m: int) -> None:
+    """The lm_head's kernel: int8 weights against ~15-bit activations, far nearer the float
+    product than int8 activations."""
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_head, quant_linear_cpu_q8
+
+    n, k = 40, 256
+    packed, _ = pack(weights(n, k, 8), 8)
+    x = torch.randn(m, k) * 3
+    x[0, :GROUP] = 0.0  # an all-zero group quantizes to zeros, not NaN
+    x[-1, GROUP : 2 * GROUP] *= 1000  # an outlier group keeps its own scale
+    bias = torch.randn(48)
+    got = quant_linear_cpu_head(x, packed, bias)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, int16_head_reference(x, packed) + bias[:n], rtol=1e-5, atol=1e-3)
+    exact = quant_linear(x, packed, bias)
+    error = (got - exact).abs().max() / exact.abs().max()
+    int8_error = (quant_linear_cpu_q8(x, packed, bias) - exact).abs().max() / exact.abs().max()
+    assert error < int8_error / 50
+
+
+@needs_kernels
+def test_head_kernel_rows_do_not_depend_on_the_batch() -> None:
+    """A row's logits are the same bit for bit alone, in a batch of any size, or in the
+    third pass of rows (64 rows of 1024 int16 inputs fill one)."""
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_head
+
+    packed, _ = pack(weights(96, 1024, 8), 8)
+    x = torch.randn(133, 1024)
+    together = quant_linear_cpu_head(x, packed)
+    alone = torch.cat([quant_linear_cpu_head(x[i : i + 1], packed) for i in range(133)])
+    sevens = torch.cat([quant_linear_cpu_head(x[i : i + 7], packed) for i in range(0, 133, 7)])
+    assert torch.equal(together, alone)
+    assert torch.equal(together, sevens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 5])
+def test_head_kernel_on_narrower_panels_takes_two_int8_planes(bits: int) -> None:
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_head, quant_linear_cpu_q16
+
+    packed, _ = pack(weights(40, 256, bits), bits)
+    x = torch.randn(3, 256)
+    assert torch.equal(quant_linear_cpu_head(x, packed), quant_linear_cpu_q16(x, packed))
+
+
+def test_the_cpu_lm_head_takes_int16_activations_unless_activations_stay_float() -> None:
+    from pypto_serving.backends.cpu import CpuBackend
+    from pypto_serving.kernels.cpu import qlinear
+
+    backend = CpuBackend("cpu", torch.float32)
+    if not backend.native:
+        pytest.skip("no AVX2/FMA/F16C CPU or no C compiler")
+    assert backend.quant_kernels("int8").head is qlinear.quant_linear_cpu_head
+    assert backend.quant_kernels("int16").head is qlinear.quant_linear_cpu_head
+    assert backend.quant_kernels("none").head is qlinear.quant_linear_cpu
+
+
 def test_gguf_k_grids_pack_onto_their_own_step() -> None:
     """Q4_K-like sub-blocks (fp16 step, a minimum, top levels unused) pack to int4 within the
     fp16 scale's rounding; weights on no grid keep the usual half-step rounding."""

@@ -26,12 +26,13 @@ import structlog
 import torch
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("qlinear.c", "qdot.c", "decoder.c", "stack.c", "sampling.c", "moe.c")]
+           for name in ("qlinear.c", "qdot.c", "qhead.c", "decoder.c", "stack.c", "sampling.c", "moe.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "qlinear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P],
     "qlinear_q8": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
+    "qlinear_a16": [_P, _I, _I, _I, _P, _P, _P],
     "qgather": [_P, _I, _I, _P, _P, _P, _I, _P],
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "silu_and_mul": [_P, _I, _I, _P],
@@ -51,8 +52,8 @@ SIGNATURES = {
 
 
 # a status (0, or -1 when out of memory) or a size
-RETURNS_INT = {"step_stack", "qlinear_q8", "prefill_attention", "decode_scores_len", "stack_layout",
-               "moe_experts"}
+RETURNS_INT = {"step_stack", "qlinear_q8", "qlinear_a16", "prefill_attention", "decode_scores_len",
+               "stack_layout", "moe_experts"}
 # the end of the compiler's output kept in the warning: where its last (often fatal) error is
 STDERR_CHARS = 4000
 

@@ -45,6 +45,25 @@ def quant_linear_cpu_q16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
     return _linear(2, x, w, bias)
 
 
+def quant_linear_cpu_head(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The lm_head's matmul: int8 panels against x quantized to int16 per row and group of 32
+    (qhead.c: about 15-bit activations, exact integer dots, one vpmaddwd per 16 products), the
+    same for a row alone or in any batch. Other widths take the two-plane int16 kernel."""
+    if w.bits != 8:
+        return quant_linear_cpu_q16(x, w, bias)
+    if x.dim() != 2:
+        return quant_linear_cpu_head(x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    k, n_blocks, q, scale, _, _ = _weight_args(w)
+    out = torch.empty(x.shape[0], n_blocks.value * PANEL)
+    if x.shape[0] and library().qlinear_a16(x.data_ptr(), x.shape[0], k, n_blocks, q, scale, out.data_ptr()):
+        raise MemoryError(f"lm_head: no memory for {x.shape[0]} rows of {w.k} activations")
+    if bias is not None:
+        out += bias
+    return out if out.shape[1] == w.n else out[:, : w.n]
+
+
 def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """`planes`: 0 float activations, 1 int8, 2 two int8 planes."""
     if x.dim() != 2:

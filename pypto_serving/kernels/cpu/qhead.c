@@ -1,0 +1,192 @@
+/* int8 panels against int16 activations, for the lm_head (x86-64 with AVX2).
+ *
+ * The head's error goes straight into the logits, so it does not take the int8 activations of
+ * the other linears; float activations (qlinear.c) cost a shuffle, two conversions and an fma
+ * per 8 multiply-adds, and at batch 1 that, not memory, bounded the head. Here each row of x is
+ * quantized per group of 32 along K to int16 (d = max|x| / 32767: ~15 bits, an error far below
+ * the weights' own), the int8 levels are sign-extended to int16, and vpmaddwd sums pairs of
+ * products exactly in int32 (32 products of at most 32767 * 127 stay below 2^31):
+ *   dot = sum of xq[k] * q[k, n]                 (integers: no order can change it)
+ *   acc = fma(dot, d * scale, acc)               (per group, in the same order for every M)
+ * so a row's logits are the same alone or in any batch, bit for bit. int8 panels are
+ * symmetric (zero = 0), so there is no zero term.
+ *
+ * Layout (kernels/quant_linear.py): a quad is 4 k of 8 rows, byte 4 r + i = row r at k + i;
+ * sign-extending its low 16 bytes gives rows 0..3 as int16 [r][i], and vpmaddwd against the
+ * quad's 4 inputs repeated gives [r0 (i 0,1), r0 (i 2,3), r1 ...] per 128-bit lane; a group's
+ * four such sums are folded with vphaddd and put back in row order at its end.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NB 16
+#define GROUP 32
+#define QUADS (GROUP / 4)
+#define MR 4 /* rows of x per tile: 2 sums + 2 accumulators each, beside 2 weight registers */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* x [k] -> xq [k] int16 and d [k / 32], nearest even, as the int8 kernels round. */
+static void quantize_row16(const float *x, int64_t k, int16_t *xq, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const float *p = x + g * GROUP;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(p + i * 8);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        if (amax < 1e-30f) amax = 0.0f; /* a group this small is zeros (and 32767 / amax stays finite) */
+        d[g] = amax / 32767.0f;
+        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        for (int i = 0; i < 4; i += 2) {
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+            __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
+            /* packs interleaves 128-bit lanes: 64-bit blocks 0 2 1 3 back in order */
+            __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+            _mm256_storeu_si256((__m256i *)(xq + g * GROUP + i * 8), w);
+        }
+    }
+}
+
+/* The quad's 4 inputs in every 64-bit block. */
+INLINE __m256i quad16(const int16_t *xq) {
+    int64_t v;
+    memcpy(&v, xq, 8);
+    return _mm256_set1_epi64x(v);
+}
+
+/* 8 rows' int32 dots, [r0 r0 r1 r1 | r2 r2 r3 r3] and the same for rows 4..7, in row order. */
+INLINE __m256i fold(__m256i lo, __m256i hi) {
+    return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo, hi), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+INLINE __m256 group_step(__m256 acc, __m256i dot, float d, const uint16_t *scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_set1_ps(d), half8(scale)), acc);
+}
+
+INLINE void widen_quad(const int8_t *q, __m256i *lo, __m256i *hi) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)q);
+    *lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+    *hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+}
+
+/* ---- M = 1: each panel's quads widened as they stream in ---- */
+
+static void row_panel(const int16_t *xq, const float *d, const int8_t *q, const uint16_t *scale, int64_t k_len,
+                      float *y) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < k_len / GROUP; g++) {
+        __m256i t[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                        _mm256_setzero_si256()};
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            int64_t k = g * GROUP + 4 * j;
+            __m256i xv = quad16(xq + k);
+            for (int h = 0; h < 2; h++) {
+                __m256i lo, hi;
+                widen_quad(q + k * 16 + h * 32, &lo, &hi);
+                t[2 * h] = _mm256_add_epi32(t[2 * h], _mm256_madd_epi16(lo, xv));
+                t[2 * h + 1] = _mm256_add_epi32(t[2 * h + 1], _mm256_madd_epi16(hi, xv));
+            }
+        }
+        for (int h = 0; h < 2; h++) acc[h] = group_step(acc[h], fold(t[2 * h], t[2 * h + 1]), d[g], scale + g * NB + h * 8);
+    }
+    _mm256_storeu_ps(y, acc[0]);
+    _mm256_storeu_ps(y + 8, acc[1]);
+}
+
+/* ---- M > 1: a panel widened once into scratch, then tiles of MR rows per half panel ---- */
+
+/* mr rows of x against rows 8 h .. 8 h + 7 of a widened panel w [k / 4][2 halves][2] */
+INLINE void tile(const int16_t *xq, const float *d, const int mr, const int8_t *w, const int h,
+                 const uint16_t *scale, int64_t k_len, float *y, int64_t ldy) {
+    const int64_t groups = k_len / GROUP;
+    __m256 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i t[MR][2];
+        for (int r = 0; r < mr; r++) t[r][0] = t[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            int64_t k = g * GROUP + 4 * j;
+            __m256i lo, hi;
+            widen_quad(w + k * 16 + h * 32, &lo, &hi);
+            for (int r = 0; r < mr; r++) {
+                __m256i xv = quad16(xq + r * k_len + k);
+                t[r][0] = _mm256_add_epi32(t[r][0], _mm256_madd_epi16(lo, xv));
+                t[r][1] = _mm256_add_epi32(t[r][1], _mm256_madd_epi16(hi, xv));
+                __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]));
+            }
+        }
+        for (int r = 0; r < mr; r++) acc[r] = group_step(acc[r], fold(t[r][0], t[r][1]), d[r * groups + g], scale + g * NB + h * 8);
+    }
+    for (int r = 0; r < mr; r++) _mm256_storeu_ps(y + r * ldy + h * 8, acc[r]);
+}
+
+INLINE void panel_rows(const int16_t *xq, const float *d, int64_t m, const int8_t *w, const uint16_t *scale,
+                       int64_t k, float *y, int64_t ldy) {
+    const int64_t groups = k / GROUP;
+    for (int h = 0; h < 2; h++) {
+        int64_t m0 = 0;
+        for (; m0 + MR <= m; m0 += MR) tile(xq + m0 * k, d + m0 * groups, MR, w, h, scale, k, y + m0 * ldy, ldy);
+        const int64_t left = m - m0;
+        if (left == 3) tile(xq + m0 * k, d + m0 * groups, 3, w, h, scale, k, y + m0 * ldy, ldy);
+        else if (left == 2) tile(xq + m0 * k, d + m0 * groups, 2, w, h, scale, k, y + m0 * ldy, ldy);
+        else if (left == 1) tile(xq + m0 * k, d + m0 * groups, 1, w, h, scale, k, y + m0 * ldy, ldy);
+    }
+}
+_Static_assert(MR == 4, "panel_rows tiles the last 1 to 3 rows");
+
+/* Rows of x per pass over the panels: their int16 copies stay in L2 while the panels stream. */
+#define PASS_BYTES 131072
+
+static __thread void *act_buf;
+static __thread size_t act_len;
+
+/* y [m, n_blocks * 16] = x [m, k] against the int8 panels q / scale (bits 8 only), with x
+ * quantized to int16 per group of 32. Returns 0, or -1 when scratch memory cannot be had. */
+int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q,
+                    const uint16_t *scale, float *y) {
+    const int64_t groups = k / GROUP, ldy = n_blocks * NB, qbytes = k * NB;
+    size_t need = (size_t)m * k * sizeof(int16_t) + (size_t)m * groups * sizeof(float) + 64;
+    if (act_len < need) {
+        free(act_buf);
+        act_buf = malloc(need);
+        act_len = act_buf ? need : 0;
+    }
+    if (!act_buf) return -1;
+    float *d = act_buf;
+    int16_t *xq = (int16_t *)(d + m * groups);
+    if (m == 1) {
+        quantize_row16(x, k, xq, d);
+#pragma omp parallel for schedule(guided)
+        for (int64_t nb = 0; nb < n_blocks; nb++)
+            row_panel(xq, d, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB, k, y + nb * NB);
+        return 0;
+    }
+    int64_t pass = PASS_BYTES / (k * (int64_t)sizeof(int16_t)) / MR * MR;
+    if (pass < MR) pass = MR;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) quantize_row16(x + i * k, k, xq + i * k, d + i * groups);
+        for (int64_t m0 = 0; m0 < m; m0 += pass) {
+            int64_t rows = m - m0 < pass ? m - m0 : pass;
+#pragma omp for schedule(guided) nowait
+            for (int64_t nb = 0; nb < n_blocks; nb++) {
+                panel_rows(xq + m0 * k, d + m0 * groups, rows, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB, k,
+                           y + m0 * ldy + nb * NB, ldy);
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
