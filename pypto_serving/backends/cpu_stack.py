@@ -8,8 +8,9 @@ the C side once (ctypes structs holding raw pointers; the model and the caches k
 tensors alive), then runs each step, decode rows and prefill chunks in any mix, in one call.
 The kernels and their order are those of the per-layer path, so the hidden states are the
 same bit for bit (tests/worker check it).
-Used only where that path would use the same fused kernels: the Llama layer (not Gemma 3's),
-no experts (MoE), packed weights whose widths fill whole panels, head_dim a multiple of 16 up
+Used only where that path would use the same fused kernels: the Llama layer or Gemma 3's (its
+(1 + w) norms, post-norms, GeGLU, query scale, sliding windows and their own rotary table), no
+experts (MoE), packed weights whose widths fill whole panels, head_dim a multiple of 16 up
 to the C attention's MAX_HEAD_DIM (Qwen3's q/k norms run inside the fused projection, as in
 that path). With int8 activations
 (`--activation-quantization`) the stack's linears are qdot.c's, as in that path.
@@ -25,7 +26,8 @@ from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.cpu.decoder import MAX_HEAD_DIM
 from pypto_serving.kernels.quant_linear import PANEL
 from pypto_serving.kernels.rotary import rotary_cos_sin
-from pypto_serving.models.llama import LlamaForCausalLM
+from pypto_serving.models.gemma3 import Gemma3ForCausalLM
+from pypto_serving.models.llama import CausalLM, LlamaForCausalLM
 from pypto_serving.models.quant import QuantEmbedding, QuantLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -41,8 +43,9 @@ class _QLinear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
-                ("qkv", _QLinear), ("o", _QLinear),
-                ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", _P), ("v_cache", _P)]
+                ("pre_ff_norm", _P), ("post_ff_norm", _P), ("qkv", _QLinear), ("o", _QLinear),
+                ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", _P), ("v_cache", _P),
+                ("window", _I), ("local_rope", _I)]
 
 
 class _Chunk(ctypes.Structure):
@@ -56,8 +59,8 @@ class _StepRows(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("intermediate", _I), ("kv_half", _I), ("int8_act", _I), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("final_norm", _P)]
+                ("intermediate", _I), ("kv_half", _I), ("gemma", _I), ("int8_act", _I),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _P)]
 
 
 # A struct's sizeof and each field's (offset, size), in declaration order
@@ -124,10 +127,22 @@ def _qlinear(m: torch.nn.Module) -> _QLinear:
                     None if bias is None else bias.data_ptr(), w.k, w.q.shape[0], w.bits)
 
 
-def _qk_norms(attn: torch.nn.Module) -> tuple[int | None, int | None]:
-    if not attn.qk_norm:
+def _qk_norms(attn: torch.nn.Module, gemma: bool) -> tuple[int | None, int | None]:
+    """Gemma 3 always norms q and k; Qwen3 does, Llama not."""
+    if not (gemma or attn.qk_norm):
         return None, None
     return attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+
+
+def _layer(layer: torch.nn.Module, kv: KVCache, gemma: bool) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    ff_norms = (layer.pre_feedforward_layernorm.weight.data_ptr(),
+                layer.post_feedforward_layernorm.weight.data_ptr()) if gemma else (None, None)
+    window = layer.window if gemma else 0
+    return _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                  *_qk_norms(attn, gemma), *ff_norms, _qlinear(attn.qkv_proj), _qlinear(attn.o_proj),
+                  _qlinear(mlp.gate_up_proj), _qlinear(mlp.down_proj), kv[0].data_ptr(), kv[1].data_ptr(),
+                  window, int(window != 0))
 
 
 def _fills_panels(m: torch.nn.Module) -> bool:
@@ -135,7 +150,7 @@ def _fills_panels(m: torch.nn.Module) -> bool:
 
 
 class DecoderStack:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]):
+    def __init__(self, model: CausalLM, kv_caches: list[KVCache]):
         from pypto_serving.kernels.cpu import library
 
         self._lib = library()
@@ -143,23 +158,21 @@ class DecoderStack:
         self._model = model
         arch = model.arch
         layers = model.model.layers
+        self._gemma = isinstance(model, Gemma3ForCausalLM)
         self._kv_half = kv_caches[0][0].dtype == torch.float16
         planes = ACTIVATION_PLANES[layers[0].self_attn.qkv_proj.kernels.activations]
         self._shape = _Shape(arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
-                             arch.head_dim, arch.intermediate_size, int(self._kv_half), planes,
-                             layers[0].input_layernorm.eps, arch.head_dim**-0.5,
+                             arch.head_dim, arch.intermediate_size, int(self._kv_half), int(self._gemma),
+                             planes, layers[0].input_layernorm.eps, layers[0].self_attn.scale,
                              model.model.norm.weight.data_ptr())
         self._layers = (_Layer * len(layers))(*(
-            _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                   *_qk_norms(layer.self_attn), _qlinear(layer.self_attn.qkv_proj),
-                   _qlinear(layer.self_attn.o_proj),
-                   _qlinear(layer.mlp.gate_up_proj), _qlinear(layer.mlp.down_proj),
-                   kv[0].data_ptr(), kv[1].data_ptr())
-            for layer, kv in zip(layers, kv_caches, strict=True)))
+            _layer(layer, kv, self._gemma) for layer, kv in zip(layers, kv_caches, strict=True)))
+        # the sliding layers' rotary table (Gemma 3), or none
+        self._local_rope = model.rope_local if any(layer.local_rope for layer in self._layers) else None
         self._caches = kv_caches  # kept alive: the structs point into them
 
     @staticmethod
-    def build(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecoderStack | None:
+    def build(model: CausalLM, kv_caches: list[KVCache]) -> DecoderStack | None:
         """The stack when the model and caches fit it and the C kernels run here, else None."""
         from pypto_serving.kernels import cpu
 
@@ -170,13 +183,16 @@ class DecoderStack:
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         fits = (
-            isinstance(model, LlamaForCausalLM)  # stack.c runs the Llama layer (not Gemma 3's)
+            isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM))  # the layers stack.c runs
             and cpu.available() and model.rope.dtype == torch.float32
             and arch.head_dim <= MAX_HEAD_DIM and arch.head_dim % 16 == 0
             and arch.hidden_size % 8 == 0 and arch.intermediate_size % 8 == 0
             and isinstance(model.model.embed_tokens, QuantEmbedding)
             and all(_fills_panels(m) for m in linears)
             and len({m.kernels.activations for m in linears}) == 1
+            # sliding layers' rotary rows are read with the global table's strides
+            and (not any(getattr(layer, "window", 0) for layer in model.model.layers)
+                 or model.rope_local.shape == model.rope.shape)
             and all(k.dtype == v.dtype and k.dtype in (torch.float16, torch.float32)
                     and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         )
@@ -189,13 +205,17 @@ class DecoderStack:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x = self._model.model.embed_tokens(input_ids)  # becomes the residual stream
-        cos, sin = rotary_cos_sin(self._model.rope, positions, x.dtype)  # [T, 1, d / 2] views
+        model = self._model
+        x = model.embed_inputs(input_ids)  # becomes the residual stream
+        cos, sin = rotary_cos_sin(model.rope, positions, x.dtype)  # [T, 1, d / 2] views
+        local = None if self._local_rope is None else rotary_cos_sin(self._local_rope, positions, x.dtype)
+        cos2, sin2 = (None, None) if local is None else (local[0].data_ptr(), local[1].data_ptr())
         rows, keep = _step_rows(meta, x.shape[0])  # keep: what rows points into, alive till return
+        keep.append(local)  # the same strides as cos and sin: one table shape
         out = torch.empty_like(x)
         status = self._lib.step_stack(ctypes.byref(self._shape), self._layers, ctypes.byref(rows),
-                                      x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                                      out.data_ptr())
+                                      x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos2, sin2,
+                                      cos.stride(0), out.data_ptr())
         if status != 0:
             raise MemoryError(f"decoder stack: no memory for the scratch of a {x.shape[0]}-token step")
         return out

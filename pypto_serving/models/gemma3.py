@@ -104,7 +104,7 @@ class Gemma3ForCausalLM(CausalLM):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        h = self.tp.embed(self._scaled_embedding, input_ids, self.arch)
+        h = self.tp.embed(self.embed_inputs, input_ids, self.arch)
         # once per step, not per layer: each kind of layer's rotary and attention metadata
         rotary = {0: rotary_cos_sin(self.rope, positions, h.dtype)}
         metas = {0: meta}
@@ -115,7 +115,7 @@ class Gemma3ForCausalLM(CausalLM):
             h = layer(h, rotary[layer.window], kv, metas[layer.window])
         return self.model.norm(h)
 
-    def _scaled_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed_inputs(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(ids)
         # sqrt(hidden) rounded to float32, then to the model dtype, as HF has it
         return h * torch.tensor(self.arch.hidden_size**0.5).to(h.dtype)

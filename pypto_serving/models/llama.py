@@ -153,6 +153,10 @@ class CausalLM(nn.Module):
         inv_freq = rope_inv_freq(self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
         self.rope = rope_cache(inv_freq, positions).to(self.rope.device)
 
+    def embed_inputs(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's embeddings of `ids`, as the first layer takes them."""
+        return self.model.embed_tokens(ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks)."""
         return self.tp.logits(self._local_logits(hidden), self.arch)
@@ -179,7 +183,7 @@ class LlamaForCausalLM(CausalLM):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        h = self.tp.embed(self.model.embed_tokens, input_ids, self.arch)
+        h = self.tp.embed(self.embed_inputs, input_ids, self.arch)
         rotary = rotary_cos_sin(self.rope, positions, h.dtype)  # once per step, not per layer
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):

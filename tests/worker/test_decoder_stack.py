@@ -1,5 +1,6 @@
 """The one-call decoder stack gives exactly the per-layer path's logits in every kind of step
-(prefill, decode, and the two mixed), and is used for all of them."""
+(prefill, decode, and the two mixed), and is used for all of them (Llama, Qwen2/3 and Gemma 3
+layers)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def steps_of_every_kind(d: Driver) -> list[torch.Tensor]:
     ("llama", "float16", "none"), ("llama", "float32", "none"), ("llama", "float16", "int8"),
     ("qwen2_tied", "float16", "none"), ("qwen2_tied", "float32", "int8"),  # qwen2: q/k/v bias
     ("qwen3", "float16", "int8"), ("qwen3_wide", "float16", "none"),  # q/k norms; head_dim 128
+    # Gemma 3: (1 + w) norms, post-norms, GeGLU, sliding windows with their own rotary table
+    ("gemma3", "float16", "int8"), ("gemma3", "float32", "none"), ("gemma3_softcap", "float16", "int16"),
 ])
 def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str, activations: str) -> None:
     config = {"quantization": "int4", "kv_cache_dtype": kv, "activation_quantization": activations}

@@ -1,5 +1,5 @@
-/* A whole step's decoder stack in one call: every layer of a Llama-family model for the
- * step's t tokens, from the token embeddings to the final norm. The tokens are single-query
+/* A whole step's decoder stack in one call: every layer of a Llama-family or Gemma 3 model
+ * for the step's t tokens, from the token embeddings to the final norm. The tokens are single-query
  * (decode) rows and prefill chunks, in any mix.
  *
  * It runs exactly the kernels (and in the same order, with the same arithmetic) that the
@@ -19,6 +19,11 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
 void add_rms_norm(const float *x, float *residual, const float *weight, float eps, int64_t t, int64_t d,
                   float *out);
 void silu_and_mul(const float *gate_up, int64_t t, int64_t n, float *out);
+void gelu_tanh_and_mul(const float *gate_up, int64_t t, int64_t n, float *out);
+void gemma_rms_norm(const float *x, const float *residual, const float *weight, float eps, int64_t t, int64_t d,
+                    float *out);
+void gemma_qk_norm(float *qkv, int64_t t, int64_t ld, int64_t heads, int64_t kv_heads, int64_t d,
+                   const float *q_weight, const float *k_weight, float eps);
 void qk_norm(float *qkv, int64_t t, int64_t ld, int64_t heads, int64_t kv_heads, int64_t d, const float *q_weight,
              const float *k_weight, float eps);
 void rope_write_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
@@ -42,13 +47,17 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    const float *q_norm, *k_norm;        /* [head_dim] each (Qwen3), or NULL */
+    const float *q_norm, *k_norm;        /* [head_dim] each (Qwen3, Gemma 3), or NULL */
+    const float *pre_ff_norm, *post_ff_norm; /* [hidden] (Gemma 3), or NULL */
     QLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
+    int64_t window; /* keys a row sees (a sliding-window layer), or 0: all */
+    int64_t local_rope; /* 1: the step's second cos/sin table (Gemma 3's sliding layers) */
 } Layer;
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, kv_half;
+    int64_t gemma; /* Gemma 3's layer: (1 + w) norms, post-norms added to the residual, GeGLU */
     int64_t int8_act; /* the linears quantize their inputs: 0 no, 1 to int8, 2 to two int8 planes (qdot.c) */
     float eps, scale;
     const float *final_norm;
@@ -86,15 +95,16 @@ int64_t stack_layout(int64_t *out, int64_t cap) {
         sizeof(QLinear), FIELD(QLinear, q), FIELD(QLinear, scale), FIELD(QLinear, zero), FIELD(QLinear, bias),
         FIELD(QLinear, k), FIELD(QLinear, n_blocks), FIELD(QLinear, bits), -1,
         sizeof(Layer), FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm),
-        FIELD(Layer, k_norm), FIELD(Layer, qkv), FIELD(Layer, o),
-        FIELD(Layer, gate_up), FIELD(Layer, down), FIELD(Layer, k_cache), FIELD(Layer, v_cache), -1,
+        FIELD(Layer, k_norm), FIELD(Layer, pre_ff_norm), FIELD(Layer, post_ff_norm), FIELD(Layer, qkv),
+        FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down), FIELD(Layer, k_cache), FIELD(Layer, v_cache),
+        FIELD(Layer, window), FIELD(Layer, local_rope), -1,
         sizeof(Chunk), FIELD(Chunk, start), FIELD(Chunk, n), FIELD(Chunk, ctx_slots), FIELD(Chunk, n_ctx), -1,
         sizeof(StepRows), FIELD(StepRows, t), FIELD(StepRows, slots), FIELD(StepRows, n_decode),
         FIELD(StepRows, decode_rows), FIELD(StepRows, ctx_slots), FIELD(StepRows, lens),
         FIELD(StepRows, max_len), FIELD(StepRows, n_chunks), FIELD(StepRows, chunks), -1,
         sizeof(Shape), FIELD(Shape, layers), FIELD(Shape, hidden), FIELD(Shape, heads),
         FIELD(Shape, kv_heads), FIELD(Shape, head_dim), FIELD(Shape, intermediate), FIELD(Shape, kv_half),
-        FIELD(Shape, int8_act), FIELD(Shape, eps), FIELD(Shape, scale), FIELD(Shape, final_norm), -1,
+        FIELD(Shape, gemma), FIELD(Shape, int8_act), FIELD(Shape, eps), FIELD(Shape, scale), FIELD(Shape, final_norm), -1,
     };
     int64_t n = (int64_t)(sizeof layout / sizeof layout[0]);
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = layout[i];
@@ -123,27 +133,50 @@ static int64_t attend(const Shape *sh, const Layer *L, const StepRows *r, const 
     int64_t d = sh->head_dim, aw = sh->heads * d;
     if (r->n_decode && !r->decode_rows) {
         decode_attention(qkv, width, r->n_decode, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, r->ctx_slots,
-                         r->max_len, r->lens, sh->scale, ds->scores, out, sh->kv_half, 0);
+                         r->max_len, r->lens, sh->scale, ds->scores, out, sh->kv_half, L->window);
     } else if (r->n_decode) {
         for (int64_t i = 0; i < r->n_decode; i++) memcpy(ds->q + i * aw, qkv + r->decode_rows[i] * width, aw * 4);
         decode_attention(ds->q, aw, r->n_decode, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, r->ctx_slots,
-                         r->max_len, r->lens, sh->scale, ds->scores, ds->out, sh->kv_half, 0);
+                         r->max_len, r->lens, sh->scale, ds->scores, ds->out, sh->kv_half, L->window);
         for (int64_t i = 0; i < r->n_decode; i++) memcpy(out + r->decode_rows[i] * aw, ds->out + i * aw, aw * 4);
     }
     for (int64_t c = 0; c < r->n_chunks; c++) {
         const Chunk *ch = r->chunks + c;
         if (prefill_attention(qkv + ch->start * width, width, ch->n, sh->heads, sh->kv_heads, d, L->k_cache,
-                              L->v_cache, ch->ctx_slots, ch->n_ctx, sh->scale, out + ch->start * aw, sh->kv_half, 0))
+                              L->v_cache, ch->ctx_slots, ch->n_ctx, sh->scale, out + ch->start * aw, sh->kv_half,
+                              L->window))
             return -1;
     }
     return 0;
 }
 
+/* Gemma 3's layer: each block's output is normed before it joins the residual, and the MLP
+ * has a norm before it too; the kernels and their order are Gemma3DecoderLayer's. */
+static int64_t gemma_layer(const Shape *sh, const Layer *L, const StepRows *r, float *residual, const float *cos,
+                           const float *sin, int64_t ld_cs, float *normed, float *proj, float *qkv, float *attn,
+                           float *gate_up, float *act, const DecodeScratch *ds) {
+    int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
+    gemma_rms_norm(residual, NULL, L->input_norm, sh->eps, t, hidden, normed);
+    if (linear(sh, &L->qkv, normed, t, qkv)) return -1;
+    gemma_qk_norm(qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
+    rope_write_kv(qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
+                  sh->kv_half);
+    if (attend(sh, L, r, qkv, width, ds, attn) || linear(sh, &L->o, attn, t, proj)) return -1;
+    gemma_rms_norm(proj, residual, L->post_norm, sh->eps, t, hidden, residual);
+    gemma_rms_norm(residual, NULL, L->pre_ff_norm, sh->eps, t, hidden, normed);
+    if (linear(sh, &L->gate_up, normed, t, gate_up)) return -1;
+    gelu_tanh_and_mul(gate_up, t, sh->intermediate, act);
+    if (linear(sh, &L->down, act, t, proj)) return -1;
+    gemma_rms_norm(proj, residual, L->post_ff_norm, sh->eps, t, hidden, residual);
+    return 0;
+}
+
 /* x [t, hidden]: the embeddings of the step's tokens (overwritten: it becomes the residual).
- * cos/sin rows [t] with row stride ld_cs. out [t, hidden]: final-normed hidden.
+ * cos/sin rows [t] with row stride ld_cs; cos2/sin2 the same for layers with local_rope (NULL
+ * when none has). out [t, hidden]: final-normed hidden.
  * Returns 0, or -1 when its scratch memory cannot be allocated. */
 int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, float *x, const float *cos,
-                   const float *sin, int64_t ld_cs, float *out) {
+                   const float *sin, const float *cos2, const float *sin2, int64_t ld_cs, float *out) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
     int64_t attn_width = sh->heads * d, gathered = r->decode_rows ? r->n_decode * attn_width : 0;
     /* qkv and attn are dead by the time gate_up and act are written: they share a region */
@@ -159,6 +192,17 @@ int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, floa
     ds.out = ds.q + gathered;
     float *residual = x;
     int64_t failed = 0;
+    for (int64_t l = 0; l < sh->layers && sh->gemma; l++) {
+        const Layer *L = layers + l;
+        if ((failed = gemma_layer(sh, L, r, residual, L->local_rope ? cos2 : cos, L->local_rope ? sin2 : sin, ld_cs,
+                                  normed, proj, qkv, attn, gate_up, act, &ds)))
+            break;
+    }
+    if (sh->gemma) {
+        if (!failed) gemma_rms_norm(residual, NULL, sh->final_norm, sh->eps, t, hidden, out);
+        free(buf);
+        return failed ? -1 : 0;
+    }
     for (int64_t l = 0; l < sh->layers; l++) {
         const Layer *L = layers + l;
         /* layer 0 normalizes the embeddings; later layers add the last MLP output first */
