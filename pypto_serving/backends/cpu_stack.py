@@ -167,8 +167,7 @@ class DecoderStack:
                              model.model.norm.weight.data_ptr())
         self._layers = (_Layer * len(layers))(*(
             _layer(layer, kv, self._gemma) for layer, kv in zip(layers, kv_caches, strict=True)))
-        # the sliding layers' rotary table (Gemma 3), or none
-        self._local_rope = model.rope_local if any(layer.local_rope for layer in self._layers) else None
+        self._local_rope = any(layer.local_rope for layer in self._layers)  # Gemma 3's sliding layers
         self._caches = kv_caches  # kept alive: the structs point into them
 
     @staticmethod
@@ -208,7 +207,7 @@ class DecoderStack:
         model = self._model
         x = model.embed_inputs(input_ids)  # becomes the residual stream
         cos, sin = rotary_cos_sin(model.rope, positions, x.dtype)  # [T, 1, d / 2] views
-        local = None if self._local_rope is None else rotary_cos_sin(self._local_rope, positions, x.dtype)
+        local = rotary_cos_sin(model.rope_local, positions, x.dtype) if self._local_rope else None
         cos2, sin2 = (None, None) if local is None else (local[0].data_ptr(), local[1].data_ptr())
         rows, keep = _step_rows(meta, x.shape[0])  # keep: what rows points into, alive till return
         keep.append(local)  # the same strides as cos and sin: one table shape

@@ -33,7 +33,9 @@ def test_c_kernels_equal_the_portable_ones(driver, name: str, kv: str) -> None:
     config = {"quantization": "int4", "kv_cache_dtype": kv, "activation_quantization": "none"}
     fast, _ = driver(name, **config)
     slow = portable_ops(driver(name, **config)[0])
-    slow.runner.stack = None  # the one-call stack runs the C kernels whatever the modules' ops
+    # the per-layer path on both sides: the one-call stack runs the C kernels whatever the
+    # modules' ops (tests/worker/test_decoder_stack.py holds it to this path bit for bit)
+    fast.runner.stack = slow.runner.stack = None
     assert fast.runner.model.model.layers[0].self_attn.ops.attend is not PORTABLE.attend
     assert max(map(len, PROMPTS)) > 2 * GEMMA3_WINDOW
     got, want = steps_of_every_kind(fast), steps_of_every_kind(slow)
@@ -42,13 +44,20 @@ def test_c_kernels_equal_the_portable_ones(driver, name: str, kv: str) -> None:
     assert fast.tokens == slow.tokens
 
 
+def per_layer(d: Driver, stack: bool) -> Driver:
+    """`d`, or `d` on the per-layer path (no one-call stack)."""
+    if not stack:
+        d.runner.stack = None
+    return d
+
+
+@pytest.mark.parametrize("stack", [True, False])
 @pytest.mark.parametrize("activations", ["none", "int8"])
-def test_decode_rows_of_mixed_steps_equal_decode_only_steps(driver, activations: str) -> None:
+def test_decode_rows_of_mixed_steps_equal_decode_only_steps(driver, activations: str, stack: bool) -> None:
     """Bit for bit, as for Llama (tests/worker/test_decoder_stack.py): a sequence decoding past
     the window next to another's prefill chunks gets the logits of a decode-only step."""
     config = {"quantization": "int4", "activation_quantization": activations}
-    alone, _ = driver("gemma3", **config)
-    mixed, _ = driver("gemma3", **config)
+    alone, mixed = (per_layer(driver("gemma3", **config)[0], stack) for _ in range(2))
     want, got = [], []
     for d, out, joins in ((alone, want, False), (mixed, got, True)):
         d.step([d.add(0, PROMPTS[0], len(PROMPTS[0]))])
@@ -60,12 +69,13 @@ def test_decode_rows_of_mixed_steps_equal_decode_only_steps(driver, activations:
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-def test_prefill_equals_chunked_prefill_and_decoding(driver) -> None:
+@pytest.mark.parametrize("stack", [True, False])
+def test_prefill_equals_chunked_prefill_and_decoding(driver, stack: bool) -> None:
     """Bit for bit with int8 activations: a prompt longer than the window prefilled whole,
     in chunks across the window, or token by token gives the same last logits."""
     config = {"quantization": "int4", "activation_quantization": "int8"}
     prompt = PROMPTS[3]
-    whole, chunked, stepped = (driver("gemma3", **config)[0] for _ in range(3))
+    whole, chunked, stepped = (per_layer(driver("gemma3", **config)[0], stack) for _ in range(3))
     want = whole.step([whole.add(0, prompt, len(prompt))])[1][0]
     chunked.step([chunked.add(0, prompt, 7)])
     chunked.step([chunked.next(0, 9)])

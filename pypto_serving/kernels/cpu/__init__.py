@@ -27,6 +27,7 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("qlinear.c", "qdot.c", "qhead.c", "decoder.c", "stack.c", "sampling.c", "moe.c")]
+HEADERS = [Path(__file__).with_name("group_max.h")]  # part of the build's hash, not compiled alone
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -76,7 +77,7 @@ def _cpu_flags() -> set[str]:
 
 def _build(compiler: str) -> Path:
     """Compiles once per source version; concurrent builders race to an atomic rename."""
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kernels-{digest}.so"
     if target.exists():

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "group_max.h"
+
 #define NB 16
 #define GROUP 32
 #define QUADS (GROUP / 4)
@@ -127,19 +129,9 @@ INLINE __m256i pack32(__m256i i[4]) {
 /* Row r of x -> xq [k], d [k / 32], sx [k / 32]; with lo (int16 activations) also the second
  * plane: the rounding residual x - d * xq in steps of d / LO_STEPS, and d becomes that step. */
 static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < k / GROUP; g++) {
-        const float *p = x + g * GROUP;
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(p + i * 8);
-            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        float amax = _mm_cvtss_f32(m4);
-        if (amax < 1e-30f) amax = 0.0f; /* a group this small is zeros (and 127 / amax stays finite) */
+        __m256 v[4];
+        float amax = group_max(x + g * GROUP, v);
         d[g] = amax / 127.0f;
         __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i i[4];

@@ -1,0 +1,23 @@
+/* The largest |x| of a group of 32 activations, shared by the kernels that quantize them
+ * (qdot.c to int8, qhead.c to int16). */
+#ifndef PYPTO_GROUP_MAX_H
+#define PYPTO_GROUP_MAX_H
+#include <immintrin.h>
+
+/* Loads p [32] into v [4] and returns max |p|, or 0 for a group below 1e-30 (zeros, so that
+ * a reciprocal of it stays finite). */
+static inline __attribute__((always_inline)) float group_max(const float *p, __m256 v[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(p + i * 8);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float amax = _mm_cvtss_f32(m4);
+    return amax < 1e-30f ? 0.0f : amax;
+}
+
+#endif
