@@ -220,3 +220,40 @@ def test_unknown_tokenizer_model_is_rejected(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(UnsupportedModel, match=r"'bert'.*gpt2, llama"):
         read_gguf_tokenizer(tmp_path / "bert.gguf")
+
+
+def test_recovered_merges_are_cached_per_vocabulary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SentencePiece vocabulary's merges are recovered once (Gemma 3's 262k pieces take
+    ~1.6 s): the next load reads them back and builds the same tokenizer; a damaged entry is
+    recovered and written again."""
+    from pypto_serving.loader import gguf_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calls = []
+    recover = gguf_tokenizer._recover_merges
+    monkeypatch.setattr(gguf_tokenizer, "_recover_merges", lambda *a: calls.append(1) or recover(*a))
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    first = read_gguf_tokenizer(path).tokenizer.to_str()
+    assert read_gguf_tokenizer(path).tokenizer.to_str() == first
+    assert len(calls) == 1
+    (entry,) = gguf_tokenizer.merges_cache_dir().iterdir()
+    for damage in (b'[["a lone piece"]]', b"\x00 not json", b"{}"):
+        entry.write_bytes(damage)
+        assert read_gguf_tokenizer(path).tokenizer.to_str() == first
+    assert len(calls) == 4
+    assert read_gguf_tokenizer(path).tokenizer.to_str() == first  # rewritten whole
+    assert len(calls) == 4
+
+
+def test_merges_cache_keys_on_pieces_and_scores_and_may_be_unwritable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pypto_serving.loader import gguf_tokenizer
+
+    digest = gguf_tokenizer._vocabulary_digest
+    assert digest(["a", "b", "ab"], [0.0, -1.0, -2.0]) != digest(["a", "b", "ab"], [0.0, -1.0, -3.0])
+    assert digest(["a", "b", "ab"], [0.0, -1.0, -2.0]) != digest(["a", "c", "ac"], [0.0, -1.0, -2.0])
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache cannot be created
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    assert read_gguf_tokenizer(path).tokenizer.encode("the better fox").ids[0] == 1
