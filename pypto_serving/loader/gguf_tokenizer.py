@@ -190,8 +190,12 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            tmp.write(orjson.dumps(merges))
-        os.replace(tmp.name, path)
+            try:
+                tmp.write(orjson.dumps(merges))
+            except OSError:
+                os.unlink(tmp.name)
+                raise
+        os.replace(tmp.name, path)  # whole or not at all, whoever else writes it
     except OSError as exc:
         log.warning("could not cache the tokenizer's merges", path=str(path), error=str(exc))
     return merges
