@@ -191,20 +191,20 @@ def test_cpu_kernel_takes_leading_dims_and_strided_input() -> None:
     torch.testing.assert_close(quant_linear_cpu(x, packed), quant_linear(x, packed), rtol=1e-5, atol=1e-5)
 
 
-def int8_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
+def int8_activation_reference(x: torch.Tensor, w, top: int = 127) -> torch.Tensor:
     """What qdot.c computes, in plain torch: each row's groups of 32 quantized to
-    round(x * 127 / max|x|), integer dot products with the levels, then per group
+    round(x * top / max|x|), integer dot products with the levels, then per group
     d * scale * dot + d * sum(xq) * zero: the quantized row times the dequantized weight
-    (summed in float64 here, so equal up to rounding)."""
+    (summed in float64 here, so equal up to rounding). qhead.c's int16 rows: top 32767."""
     m, k = x.shape
     xg = x.view(m, k // GROUP, GROUP)
     amax = xg.abs().amax(-1, keepdim=True)
-    xq = (xg * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))).round()
+    xq = (xg * torch.where(amax > 0, top / amax, torch.zeros_like(amax))).round()
     levels = unpack_levels(w)[: w.n].view(w.n, k // GROUP, GROUP)
     dot = torch.einsum("mgk,ngk->mng", xq.double(), levels.double())
     scale = w.scale.transpose(1, 2).reshape(-1, k // GROUP)[: w.n].double()
     zero = w.zero.transpose(1, 2).reshape(-1, k // GROUP)[: w.n].double()
-    d = (amax / 127.0).squeeze(-1).double()
+    d = (amax / top).squeeze(-1).double()
     xsum = xq.sum(-1).double() * d
     return (dot * d[:, None, :] * scale + xsum[:, None, :] * zero).sum(-1).float()
 
@@ -258,11 +258,21 @@ def int16_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
     return (quantized @ quant_linear(torch.eye(k), w).double()).float()
 
 
+def errors_beside_int8(got: torch.Tensor, x: torch.Tensor, packed, bias: torch.Tensor) -> tuple[float, float]:
+    """The largest error of `got`, and of the int8-activation kernel, against the float
+    product, each relative to the product's largest value."""
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q8
+
+    exact = quant_linear(x, packed, bias)
+    int8 = quant_linear_cpu_q8(x, packed, bias)
+    return tuple(((y - exact).abs().max() / exact.abs().max()).item() for y in (got, int8))
+
+
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 40])
 def test_int16_activation_kernel_is_near_the_float_product(bits: int, m: int) -> None:
-    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q8, quant_linear_cpu_q16
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_q16
 
     n, k = 40, 256
     packed, _ = pack(weights(n, k, bits), bits)
@@ -273,9 +283,7 @@ def test_int16_activation_kernel_is_near_the_float_product(bits: int, m: int) ->
     assert got.shape == (m, n)
     # a residual's rounding can fall the other way in float (one lo step, d / 254 x a weight)
     torch.testing.assert_close(got, int16_activation_reference(x, packed) + bias[:n], rtol=1e-5, atol=5e-4)
-    exact = quant_linear(x, packed, bias)
-    error = (got - exact).abs().max() / exact.abs().max()
-    int8_error = (quant_linear_cpu_q8(x, packed, bias) - exact).abs().max() / exact.abs().max()
+    error, int8_error = errors_beside_int8(got, x, packed, bias)
     assert error < int8_error / 50  # about 1/254 of int8's rounding
 
 
@@ -292,17 +300,9 @@ def test_int16_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
 
 
 def int16_head_reference(x: torch.Tensor, w) -> torch.Tensor:
-    """What qhead.c computes: per group xq = round(x * 32767 / max|x|), d = max|x| / 32767,
-    the exact integer dot with the int8 levels, scaled by d * scale (int8 panels: no zero)."""
-    m, k = x.shape
-    xg = x.view(m, k // GROUP, GROUP)
-    amax = xg.abs().amax(-1, keepdim=True)
-    xq = (xg * torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))).round()
-    levels = unpack_levels(w)[: w.n].view(w.n, k // GROUP, GROUP)
-    dot = torch.einsum("mgk,ngk->mng", xq.double(), levels.double())
-    scale = w.scale.transpose(1, 2).reshape(-1, k // GROUP)[: w.n].double()
-    d = (amax / 32767.0).squeeze(-1).double()
-    return (dot * d[:, None, :] * scale).sum(-1).float()
+    """What qhead.c computes: groups quantized to round(x * 32767 / max|x|), the exact
+    integer dot with the int8 levels, scaled by d * scale (int8 panels' zero is 0)."""
+    return int8_activation_reference(x, w, top=32767)
 
 
 @needs_kernels
@@ -310,7 +310,7 @@ def int16_head_reference(x: torch.Tensor, w) -> torch.Tensor:
 def test_head_kernel_computes_the_int16_product(m: int) -> None:
     """The lm_head's kernel: int8 weights against ~15-bit activations, far nearer the float
     product than int8 activations."""
-    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_head, quant_linear_cpu_q8
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_head
 
     n, k = 40, 256
     packed, _ = pack(weights(n, k, 8), 8)
@@ -321,9 +321,7 @@ def test_head_kernel_computes_the_int16_product(m: int) -> None:
     got = quant_linear_cpu_head(x, packed, bias)
     assert got.shape == (m, n)
     torch.testing.assert_close(got, int16_head_reference(x, packed) + bias[:n], rtol=1e-5, atol=1e-3)
-    exact = quant_linear(x, packed, bias)
-    error = (got - exact).abs().max() / exact.abs().max()
-    int8_error = (quant_linear_cpu_q8(x, packed, bias) - exact).abs().max() / exact.abs().max()
+    error, int8_error = errors_beside_int8(got, x, packed, bias)
     assert error < int8_error / 50
 
 
