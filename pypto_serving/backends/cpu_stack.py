@@ -45,7 +45,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
                 ("pre_ff_norm", _P), ("post_ff_norm", _P), ("qkv", _QLinear), ("o", _QLinear),
                 ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", _P), ("v_cache", _P),
-                ("window", _I), ("local_rope", _I)]
+                ("window", _I)]
 
 
 class _Chunk(ctypes.Structure):
@@ -142,7 +142,7 @@ def _layer(layer: torch.nn.Module, kv: KVCache, gemma: bool) -> _Layer:
     return _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                   *_qk_norms(attn, gemma), *ff_norms, _qlinear(attn.qkv_proj), _qlinear(attn.o_proj),
                   _qlinear(mlp.gate_up_proj), _qlinear(mlp.down_proj), kv[0].data_ptr(), kv[1].data_ptr(),
-                  window, int(window != 0))
+                  window)
 
 
 def _fills_panels(m: torch.nn.Module) -> bool:
@@ -167,7 +167,8 @@ class DecoderStack:
                              model.model.norm.weight.data_ptr())
         self._layers = (_Layer * len(layers))(*(
             _layer(layer, kv, self._gemma) for layer, kv in zip(layers, kv_caches, strict=True)))
-        self._local_rope = any(layer.local_rope for layer in self._layers)  # Gemma 3's sliding layers
+        # sliding-window layers (Gemma 3's) read the step's second rotary table
+        self._local_rope = any(layer.window for layer in self._layers)
         self._caches = kv_caches  # kept alive: the structs point into them
 
     @staticmethod
@@ -189,9 +190,6 @@ class DecoderStack:
             and isinstance(model.model.embed_tokens, QuantEmbedding)
             and all(_fills_panels(m) for m in linears)
             and len({m.kernels.activations for m in linears}) == 1
-            # sliding layers' rotary rows are read with the global table's strides
-            and (not any(getattr(layer, "window", 0) for layer in model.model.layers)
-                 or model.rope_local.shape == model.rope.shape)
             and all(k.dtype == v.dtype and k.dtype in (torch.float16, torch.float32)
                     and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         )
@@ -210,7 +208,7 @@ class DecoderStack:
         local = rotary_cos_sin(model.rope_local, positions, x.dtype) if self._local_rope else None
         cos2, sin2 = (None, None) if local is None else (local[0].data_ptr(), local[1].data_ptr())
         rows, keep = _step_rows(meta, x.shape[0])  # keep: what rows points into, alive till return
-        keep.append(local)  # the same strides as cos and sin: one table shape
+        keep.append(local)  # rows of head_dim / 2 floats, strided as cos and sin
         out = torch.empty_like(x)
         status = self._lib.step_stack(ctypes.byref(self._shape), self._layers, ctypes.byref(rows),
                                       x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos2, sin2,

@@ -51,8 +51,8 @@ typedef struct {
     const float *pre_ff_norm, *post_ff_norm; /* [hidden] (Gemma 3), or NULL */
     QLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
-    int64_t window; /* keys a row sees (a sliding-window layer), or 0: all */
-    int64_t local_rope; /* 1: the step's second cos/sin table (Gemma 3's sliding layers) */
+    int64_t window; /* keys a row sees (a sliding-window layer: its rotary is the step's second
+                       cos/sin table, as Gemma 3's), or 0: all */
 } Layer;
 
 typedef struct {
@@ -97,7 +97,7 @@ int64_t stack_layout(int64_t *out, int64_t cap) {
         sizeof(Layer), FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm),
         FIELD(Layer, k_norm), FIELD(Layer, pre_ff_norm), FIELD(Layer, post_ff_norm), FIELD(Layer, qkv),
         FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down), FIELD(Layer, k_cache), FIELD(Layer, v_cache),
-        FIELD(Layer, window), FIELD(Layer, local_rope), -1,
+        FIELD(Layer, window), -1,
         sizeof(Chunk), FIELD(Chunk, start), FIELD(Chunk, n), FIELD(Chunk, ctx_slots), FIELD(Chunk, n_ctx), -1,
         sizeof(StepRows), FIELD(StepRows, t), FIELD(StepRows, slots), FIELD(StepRows, n_decode),
         FIELD(StepRows, decode_rows), FIELD(StepRows, ctx_slots), FIELD(StepRows, lens),
@@ -150,75 +150,80 @@ static int64_t attend(const Shape *sh, const Layer *L, const StepRows *r, const 
     return 0;
 }
 
+/* A step's scratch: qkv and attn are dead by the time gate_up and act are written (they share
+ * a region), normed and proj hold a layer's norms and projections. */
+typedef struct {
+    float *normed, *proj, *qkv, *attn, *gate_up, *act;
+    DecodeScratch ds;
+} Scratch;
+
+/* The Llama layer: the residual add fused into the next norm (layer 0 normalizes the
+ * embeddings; later layers add the last MLP output first, left in s->proj). */
+static int64_t llama_layer(const Shape *sh, const Layer *L, int64_t l, const StepRows *r, float *residual,
+                           const float *cos, const float *sin, int64_t ld_cs, const Scratch *s) {
+    int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
+    add_rms_norm(l ? s->proj : NULL, residual, L->input_norm, sh->eps, t, hidden, s->normed);
+    if (linear(sh, &L->qkv, s->normed, t, s->qkv)) return -1;
+    if (L->q_norm) qk_norm(s->qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
+    rope_write_kv(s->qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
+                  sh->kv_half);
+    if (attend(sh, L, r, s->qkv, width, &s->ds, s->attn) || linear(sh, &L->o, s->attn, t, s->proj)) return -1;
+    add_rms_norm(s->proj, residual, L->post_norm, sh->eps, t, hidden, s->normed);
+    if (linear(sh, &L->gate_up, s->normed, t, s->gate_up)) return -1;
+    silu_and_mul(s->gate_up, t, sh->intermediate, s->act);
+    return linear(sh, &L->down, s->act, t, s->proj);
+}
+
 /* Gemma 3's layer: each block's output is normed before it joins the residual, and the MLP
  * has a norm before it too; the kernels and their order are Gemma3DecoderLayer's. */
 static int64_t gemma_layer(const Shape *sh, const Layer *L, const StepRows *r, float *residual, const float *cos,
-                           const float *sin, int64_t ld_cs, float *normed, float *proj, float *qkv, float *attn,
-                           float *gate_up, float *act, const DecodeScratch *ds) {
+                           const float *sin, int64_t ld_cs, const Scratch *s) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
-    gemma_rms_norm(residual, NULL, L->input_norm, sh->eps, t, hidden, normed);
-    if (linear(sh, &L->qkv, normed, t, qkv)) return -1;
-    gemma_qk_norm(qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
-    rope_write_kv(qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
+    gemma_rms_norm(residual, NULL, L->input_norm, sh->eps, t, hidden, s->normed);
+    if (linear(sh, &L->qkv, s->normed, t, s->qkv)) return -1;
+    gemma_qk_norm(s->qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
+    rope_write_kv(s->qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
                   sh->kv_half);
-    if (attend(sh, L, r, qkv, width, ds, attn) || linear(sh, &L->o, attn, t, proj)) return -1;
-    gemma_rms_norm(proj, residual, L->post_norm, sh->eps, t, hidden, residual);
-    gemma_rms_norm(residual, NULL, L->pre_ff_norm, sh->eps, t, hidden, normed);
-    if (linear(sh, &L->gate_up, normed, t, gate_up)) return -1;
-    gelu_tanh_and_mul(gate_up, t, sh->intermediate, act);
-    if (linear(sh, &L->down, act, t, proj)) return -1;
-    gemma_rms_norm(proj, residual, L->post_ff_norm, sh->eps, t, hidden, residual);
+    if (attend(sh, L, r, s->qkv, width, &s->ds, s->attn) || linear(sh, &L->o, s->attn, t, s->proj)) return -1;
+    gemma_rms_norm(s->proj, residual, L->post_norm, sh->eps, t, hidden, residual);
+    gemma_rms_norm(residual, NULL, L->pre_ff_norm, sh->eps, t, hidden, s->normed);
+    if (linear(sh, &L->gate_up, s->normed, t, s->gate_up)) return -1;
+    gelu_tanh_and_mul(s->gate_up, t, sh->intermediate, s->act);
+    if (linear(sh, &L->down, s->act, t, s->proj)) return -1;
+    gemma_rms_norm(s->proj, residual, L->post_ff_norm, sh->eps, t, hidden, residual);
     return 0;
 }
 
 /* x [t, hidden]: the embeddings of the step's tokens (overwritten: it becomes the residual).
- * cos/sin rows [t] with row stride ld_cs; cos2/sin2 the same for layers with local_rope (NULL
- * when none has). out [t, hidden]: final-normed hidden.
+ * cos/sin rows [t] with row stride ld_cs; cos2/sin2 the same for sliding-window layers (NULL
+ * when none is one). out [t, hidden]: final-normed hidden.
  * Returns 0, or -1 when its scratch memory cannot be allocated. */
 int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, float *x, const float *cos,
                    const float *sin, const float *cos2, const float *sin2, int64_t ld_cs, float *out) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
     int64_t attn_width = sh->heads * d, gathered = r->decode_rows ? r->n_decode * attn_width : 0;
-    /* qkv and attn are dead by the time gate_up and act are written: they share a region */
     int64_t shared = width + attn_width > 3 * sh->intermediate ? width + attn_width : 3 * sh->intermediate;
     size_t floats = (size_t)t * (hidden * 2 + shared) + 2 * gathered +
                     (size_t)decode_scores_len(r->n_decode, sh->heads, r->max_len);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
-    float *normed = buf, *proj = normed + t * hidden, *qkv = proj + t * hidden, *attn = qkv + t * width;
-    float *gate_up = qkv, *act = gate_up + t * 2 * sh->intermediate;
-    DecodeScratch ds = {qkv + t * shared, 0, 0};
-    ds.q = ds.scores + decode_scores_len(r->n_decode, sh->heads, r->max_len);
-    ds.out = ds.q + gathered;
+    Scratch s = {buf, buf + t * hidden, buf + 2 * t * hidden, 0, 0, 0, {0, 0, 0}};
+    s.attn = s.qkv + t * width;
+    s.gate_up = s.qkv;
+    s.act = s.gate_up + t * 2 * sh->intermediate;
+    s.ds.scores = s.qkv + t * shared;
+    s.ds.q = s.ds.scores + decode_scores_len(r->n_decode, sh->heads, r->max_len);
+    s.ds.out = s.ds.q + gathered;
     float *residual = x;
     int64_t failed = 0;
-    for (int64_t l = 0; l < sh->layers && sh->gemma; l++) {
+    for (int64_t l = 0; l < sh->layers && !failed; l++) {
         const Layer *L = layers + l;
-        if ((failed = gemma_layer(sh, L, r, residual, L->local_rope ? cos2 : cos, L->local_rope ? sin2 : sin, ld_cs,
-                                  normed, proj, qkv, attn, gate_up, act, &ds)))
-            break;
+        const float *c = L->window ? cos2 : cos, *sn = L->window ? sin2 : sin;
+        failed = sh->gemma ? gemma_layer(sh, L, r, residual, c, sn, ld_cs, &s)
+                           : llama_layer(sh, L, l, r, residual, c, sn, ld_cs, &s);
     }
-    if (sh->gemma) {
-        if (!failed) gemma_rms_norm(residual, NULL, sh->final_norm, sh->eps, t, hidden, out);
-        free(buf);
-        return failed ? -1 : 0;
-    }
-    for (int64_t l = 0; l < sh->layers; l++) {
-        const Layer *L = layers + l;
-        /* layer 0 normalizes the embeddings; later layers add the last MLP output first */
-        add_rms_norm(l ? proj : NULL, residual, L->input_norm, sh->eps, t, hidden, normed);
-        if ((failed = linear(sh, &L->qkv, normed, t, qkv))) break;
-        if (L->q_norm) qk_norm(qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
-        rope_write_kv(qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
-                      sh->kv_half);
-        if ((failed = attend(sh, L, r, qkv, width, &ds, attn))) break;
-        if ((failed = linear(sh, &L->o, attn, t, proj))) break;
-        add_rms_norm(proj, residual, L->post_norm, sh->eps, t, hidden, normed);
-        if ((failed = linear(sh, &L->gate_up, normed, t, gate_up))) break;
-        silu_and_mul(gate_up, t, sh->intermediate, act);
-        if ((failed = linear(sh, &L->down, act, t, proj))) break;
-    }
-    if (!failed) add_rms_norm(proj, residual, sh->final_norm, sh->eps, t, hidden, out);
+    if (!failed && sh->gemma) gemma_rms_norm(residual, NULL, sh->final_norm, sh->eps, t, hidden, out);
+    else if (!failed) add_rms_norm(s.proj, residual, sh->final_norm, sh->eps, t, hidden, out);
     free(buf);
     return failed ? -1 : 0;
 }
