@@ -33,7 +33,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "qlinear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P],
     "qlinear_q8": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
-    "qlinear_a16": [_P, _I, _I, _I, _P, _P, _P],
+    "qlinear_a16": [_P, _I, _I, _I, _P, _P, _P, _P],
     "qgather": [_P, _I, _I, _P, _P, _P, _I, _P],
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "silu_and_mul": [_P, _I, _I, _P],

@@ -60,6 +60,10 @@ INLINE __m256i fold(__m256i lo, __m256i hi) {
     return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo, hi), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
+INLINE void store8(float *y, __m256 acc, const float *bias) {
+    _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc);
+}
+
 INLINE __m256 group_step(__m256 acc, __m256i dot, float d, const uint16_t *scale) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_set1_ps(d), half8(scale)), acc);
 }
@@ -72,7 +76,8 @@ INLINE void widen_quad(const int8_t *q, __m256i *lo, __m256i *hi) {
 
 /* ---- M = 1: each panel's quads widened as they stream in ---- */
 
-static void row_panel(const int16_t *xq, const float *d, const int8_t *q, const uint16_t *scale, int64_t k_len,
+static void row_panel(const int16_t *xq, const float *d, const int8_t *q, const uint16_t *scale, const float *bias,
+                      int64_t k_len,
                       float *y) {
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < k_len / GROUP; g++) {
@@ -91,8 +96,8 @@ static void row_panel(const int16_t *xq, const float *d, const int8_t *q, const 
         }
         for (int h = 0; h < 2; h++) acc[h] = group_step(acc[h], fold(t[2 * h], t[2 * h + 1]), d[g], scale + g * NB + h * 8);
     }
-    _mm256_storeu_ps(y, acc[0]);
-    _mm256_storeu_ps(y + 8, acc[1]);
+    store8(y, acc[0], bias);
+    store8(y + 8, acc[1], bias ? bias + 8 : 0);
 }
 
 /* ---- M > 1: tiles of MR rows per half panel, each quad widened as the tile reads it ---- */
@@ -100,7 +105,7 @@ static void row_panel(const int16_t *xq, const float *d, const int8_t *q, const 
 /* mr rows of x against rows 8 h .. 8 h + 7 of the int8 panel w (widening the panel once into
  * scratch measured slower: with the rows' int16 copies it overflows L1) */
 INLINE void tile(const int16_t *xq, const float *d, const int mr, const int8_t *w, const int h,
-                 const uint16_t *scale, int64_t k_len, float *y, int64_t ldy) {
+                 const uint16_t *scale, const float *bias, int64_t k_len, float *y, int64_t ldy) {
     const int64_t groups = k_len / GROUP;
     __m256 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
@@ -121,19 +126,19 @@ INLINE void tile(const int16_t *xq, const float *d, const int mr, const int8_t *
         }
         for (int r = 0; r < mr; r++) acc[r] = group_step(acc[r], fold(t[r][0], t[r][1]), d[r * groups + g], scale + g * NB + h * 8);
     }
-    for (int r = 0; r < mr; r++) _mm256_storeu_ps(y + r * ldy + h * 8, acc[r]);
+    for (int r = 0; r < mr; r++) store8(y + r * ldy + h * 8, acc[r], bias ? bias + h * 8 : 0);
 }
 
 INLINE void panel_rows(const int16_t *xq, const float *d, int64_t m, const int8_t *w, const uint16_t *scale,
-                       int64_t k, float *y, int64_t ldy) {
+                       const float *bias, int64_t k, float *y, int64_t ldy) {
     const int64_t groups = k / GROUP;
     for (int h = 0; h < 2; h++) {
         int64_t m0 = 0;
-        for (; m0 + MR <= m; m0 += MR) tile(xq + m0 * k, d + m0 * groups, MR, w, h, scale, k, y + m0 * ldy, ldy);
+        for (; m0 + MR <= m; m0 += MR) tile(xq + m0 * k, d + m0 * groups, MR, w, h, scale, bias, k, y + m0 * ldy, ldy);
         const int64_t left = m - m0;
-        if (left == 3) tile(xq + m0 * k, d + m0 * groups, 3, w, h, scale, k, y + m0 * ldy, ldy);
-        else if (left == 2) tile(xq + m0 * k, d + m0 * groups, 2, w, h, scale, k, y + m0 * ldy, ldy);
-        else if (left == 1) tile(xq + m0 * k, d + m0 * groups, 1, w, h, scale, k, y + m0 * ldy, ldy);
+        if (left == 3) tile(xq + m0 * k, d + m0 * groups, 3, w, h, scale, bias, k, y + m0 * ldy, ldy);
+        else if (left == 2) tile(xq + m0 * k, d + m0 * groups, 2, w, h, scale, bias, k, y + m0 * ldy, ldy);
+        else if (left == 1) tile(xq + m0 * k, d + m0 * groups, 1, w, h, scale, bias, k, y + m0 * ldy, ldy);
     }
 }
 _Static_assert(MR == 4, "panel_rows tiles the last 1 to 3 rows");
@@ -145,9 +150,10 @@ static __thread void *act_buf;
 static __thread size_t act_len;
 
 /* y [m, n_blocks * 16] = x [m, k] against the int8 panels q / scale (bits 8 only), with x
- * quantized to int16 per group of 32. Returns 0, or -1 when scratch memory cannot be had. */
+ * quantized to int16 per group of 32, plus bias (NULL, or padded to whole panels). Returns 0,
+ * or -1 when scratch memory cannot be had. */
 int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q,
-                    const uint16_t *scale, float *y) {
+                    const uint16_t *scale, const float *bias, float *y) {
     const int64_t groups = k / GROUP, ldy = n_blocks * NB, qbytes = k * NB;
     size_t need = (size_t)m * k * sizeof(int16_t) + (size_t)m * groups * sizeof(float) + 64;
     if (act_len < need) {
@@ -162,7 +168,8 @@ int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, cons
         quantize_row16(x, k, xq, d);
 #pragma omp parallel for schedule(guided)
         for (int64_t nb = 0; nb < n_blocks; nb++)
-            row_panel(xq, d, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB, k, y + nb * NB);
+            row_panel(xq, d, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB, bias ? bias + nb * NB : 0,
+                      k, y + nb * NB);
         return 0;
     }
     int64_t pass = PASS_BYTES / (k * (int64_t)sizeof(int16_t)) / MR * MR;
@@ -175,8 +182,8 @@ int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, cons
             int64_t rows = m - m0 < pass ? m - m0 : pass;
 #pragma omp for schedule(guided) nowait
             for (int64_t nb = 0; nb < n_blocks; nb++) {
-                panel_rows(xq + m0 * k, d + m0 * groups, rows, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB, k,
-                           y + m0 * ldy + nb * NB, ldy);
+                panel_rows(xq + m0 * k, d + m0 * groups, rows, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB,
+                           bias ? bias + nb * NB : 0, k, y + m0 * ldy + nb * NB, ldy);
             }
         }
     }

@@ -45,27 +45,19 @@ def quant_linear_cpu_q16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
     return _linear(2, x, w, bias)
 
 
+INT16_HEAD = 3  # `_linear`'s planes for qhead.c's one int16 plane
+
+
 def quant_linear_cpu_head(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The lm_head's matmul: int8 panels against x quantized to int16 per row and group of 32
     (qhead.c: about 15-bit activations, exact integer dots, one vpmaddwd per 16 products), the
     same for a row alone or in any batch. Other widths take the two-plane int16 kernel."""
-    if w.bits != 8:
-        return quant_linear_cpu_q16(x, w, bias)
-    if x.dim() != 2:
-        return quant_linear_cpu_head(x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
-    if not x.is_contiguous():
-        x = x.contiguous()
-    k, n_blocks, q, scale, _, _ = _weight_args(w)
-    out = torch.empty(x.shape[0], n_blocks.value * PANEL)
-    if x.shape[0] and library().qlinear_a16(x.data_ptr(), x.shape[0], k, n_blocks, q, scale, out.data_ptr()):
-        raise MemoryError(f"lm_head: no memory for {x.shape[0]} rows of {w.k} activations")
-    if bias is not None:
-        out += bias
-    return out if out.shape[1] == w.n else out[:, : w.n]
+    return _linear(INT16_HEAD if w.bits == 8 else 2, x, w, bias)
 
 
 def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`planes`: 0 float activations, 1 int8, 2 two int8 planes."""
+    """`planes`: 0 float activations, 1 int8, 2 two int8 planes, INT16_HEAD one int16 plane
+    (int8 weights)."""
     if x.dim() != 2:
         return _linear(planes, x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
     if not x.is_contiguous():
@@ -74,11 +66,13 @@ def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
     out = torch.empty(x.shape[0], args[1].value * PANEL)
     if x.shape[0]:
         lib, b = library(), bias if bias is None else bias.data_ptr()
-        if planes:
+        if planes == INT16_HEAD:
+            status = lib.qlinear_a16(x.data_ptr(), x.shape[0], *args[:4], b, out.data_ptr())
+        elif planes:
             status = lib.qlinear_q8(x.data_ptr(), x.shape[0], *args, b, out.data_ptr(), planes)
         else:
             status = lib.qlinear(x.data_ptr(), x.shape[0], *args, b, out.data_ptr())
-        if status:  # qlinear_q8 only: its activation buffer could not be allocated
+        if status:  # the quantizing kernels only: their activation buffer could not be allocated
             raise MemoryError(f"quantized linear: no memory for {x.shape[0]} rows of {w.k} activations")
     return out if out.shape[1] == w.n else out[:, : w.n]
 
