@@ -127,9 +127,8 @@ def _qlinear(m: torch.nn.Module) -> _QLinear:
                     None if bias is None else bias.data_ptr(), w.k, w.q.shape[0], w.bits)
 
 
-def _qk_norms(attn: torch.nn.Module, gemma: bool) -> tuple[int | None, int | None]:
-    """Gemma 3 always norms q and k; Qwen3 does, Llama not."""
-    if not (gemma or attn.qk_norm):
+def _qk_norms(attn: torch.nn.Module) -> tuple[int | None, int | None]:
+    if not attn.qk_norm:
         return None, None
     return attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
 
@@ -140,7 +139,7 @@ def _layer(layer: torch.nn.Module, kv: KVCache, gemma: bool) -> _Layer:
                 layer.post_feedforward_layernorm.weight.data_ptr()) if gemma else (None, None)
     window = layer.window if gemma else 0
     return _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                  *_qk_norms(attn, gemma), *ff_norms, _qlinear(attn.qkv_proj), _qlinear(attn.o_proj),
+                  *_qk_norms(attn), *ff_norms, _qlinear(attn.qkv_proj), _qlinear(attn.o_proj),
                   _qlinear(mlp.gate_up_proj), _qlinear(mlp.down_proj), kv[0].data_ptr(), kv[1].data_ptr(),
                   window)
 

@@ -42,6 +42,7 @@ class Gemma3Attention(Attention):
 
     def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__(arch, make, tp)
+        self.qk_norm = True  # always, whatever the config says
         self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps)
         self.scale = arch.attention_scale
