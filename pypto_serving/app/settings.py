@@ -43,6 +43,7 @@ from pypto_serving.messages.worker import (
 )
 from pypto_serving.parallel.shapes import check_divisible
 from pypto_serving.parsers import reasoning_parser_for, tool_parser_for, tool_parser_name
+from pypto_serving.process.cache_dirs import cache_dir
 from pypto_serving.telemetry.profiling import DEFAULT_LEVELS, ProfileConfig
 
 
@@ -393,8 +394,7 @@ def weight_cache_dir(args: argparse.Namespace) -> str:
             raise FlagError("--weight-cache-dir and --no-weight-cache: give only one of them")
         return ""
     if args.weight_cache_dir is None:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        return str(Path(base) / "pypto-serving" / "weights")
+        return str(cache_dir("weights"))
     if not args.weight_cache_dir:
         raise FlagError("--weight-cache-dir: give a directory (--no-weight-cache turns the cache off)")
     path = Path(args.weight_cache_dir).expanduser().absolute()

@@ -23,6 +23,7 @@ from tokenizers.processors import TemplateProcessing
 
 from pypto_serving.loader.errors import UnsupportedModel
 from pypto_serving.loader.gguf_reader import read_gguf
+from pypto_serving.process.cache_dirs import cache_dir
 
 log = structlog.get_logger()
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
@@ -202,8 +203,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 
 
 def merges_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "pypto-serving" / "tokenizers"
+    return cache_dir("tokenizers")
 
 
 def _vocabulary_digest(tokens: list[str], scores: list[float]) -> str:

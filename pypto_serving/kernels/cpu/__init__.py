@@ -25,6 +25,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from pypto_serving.process.cache_dirs import cache_dir
+
 SOURCES = [Path(__file__).with_name(name)
            for name in ("qlinear.c", "qdot.c", "qhead.c", "decoder.c", "stack.c", "sampling.c", "moe.c")]
 HEADERS = [Path(__file__).with_name("group_max.h")]  # part of the build's hash, not compiled alone
@@ -61,11 +63,6 @@ STDERR_CHARS = 4000
 log = structlog.get_logger()
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "pypto-serving" / "kernels"
-
-
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -79,7 +76,7 @@ def _build(compiler: str) -> Path:
     """Compiles once per source version; concurrent builders race to an atomic rename."""
     source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"kernels-{digest}.so"
+    target = cache_dir("kernels") / f"kernels-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +119,7 @@ def _load(compiler: str) -> ctypes.CDLL | None:
         return None
     except OSError as exc:  # the compiler cannot be started, or the cache is not writable
         log.warning("C kernels could not be built; the portable kernels will run instead",
-                    compiler=compiler, cache=str(_cache_dir()), error=str(exc))
+                    compiler=compiler, cache=str(cache_dir("kernels")), error=str(exc))
         return None
     try:
         return ctypes.CDLL(str(path))
