@@ -71,15 +71,7 @@ class DeviceWorkerClient:
         if parallel.tp > 1 and parallel.master_port == 0:
             parallel = msgspec.structs.replace(parallel, master_port=free_port(parallel.master_addr))
             self.cfg = msgspec.structs.replace(self.cfg, parallel=parallel)
-        ours, theirs = socket.socketpair()
-        self._conn = Connection(ours.detach())
-        child = theirs.detach()
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-P", "-m", "pypto_serving.worker.main", str(child)],
-                pass_fds=(child,), env=_child_env(), stdin=subprocess.DEVNULL)
-        finally:
-            os.close(child)
+        self.process, self._conn = _take_early_worker() or _spawn_worker()
         # The worker ignores SIGTERM; an exit that skipped stop() must not leave it behind.
         atexit.register(self.kill)
         self._sentinel = _pidfd(self.process.pid)
@@ -230,6 +222,47 @@ class DeviceWorkerClient:
         if self._alive():
             self.kill()
         self._join(1)
+
+
+def _spawn_worker() -> tuple[subprocess.Popen, Connection]:
+    """A worker process and this end of its pipe; it waits there for its config."""
+    ours, theirs = socket.socketpair()
+    conn = Connection(ours.detach())
+    child = theirs.detach()
+    try:
+        process = subprocess.Popen([sys.executable, "-P", "-m", "pypto_serving.worker.main", str(child)],
+                                   pass_fds=(child,), env=_child_env(), stdin=subprocess.DEVNULL)
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        os.close(child)
+    return process, conn
+
+
+_early: list[tuple[subprocess.Popen, Connection]] = []  # at most one
+
+
+def start_early_worker() -> None:
+    """Starts a worker process now, before its config can be known: it imports torch and the
+    model runner (~1.3 s) while this process reads the model's settings and builds its
+    tokenizer. The first `DeviceWorkerClient.start` takes it; `drop_early_worker` ends one
+    that none took."""
+    if not _early:
+        _early.append(_spawn_worker())
+
+
+def _take_early_worker() -> tuple[subprocess.Popen, Connection] | None:
+    return _early.pop() if _early else None
+
+
+def drop_early_worker() -> None:
+    """Ends a worker started early that no client took (startup failed): it holds nothing yet."""
+    while _early:
+        process, conn = _early.pop()
+        process.kill()
+        process.wait()
+        conn.close()
 
 
 def start_rank(rank: int, parallel: ParallelConfig, log_config: LogConfig,

@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from pypto_serving.actors.device_client import WorkerStartError
+from pypto_serving.actors.device_client import WorkerStartError, drop_early_worker, start_early_worker
 from pypto_serving.actors.engine import Engine
 from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.app.model_source import ModelSource, ModelSourceError, resolve_model
@@ -40,6 +40,14 @@ def launch(args: argparse.Namespace) -> int:
     check_flags(args)  # fail on bad flags before touching the model
     if args.node_rank > 0:
         return _node(args)
+    start_early_worker()  # loads torch while the model's settings and tokenizer are read
+    try:
+        return _serve_or_run(args)
+    finally:
+        drop_early_worker()  # startup failed before an engine took it
+
+
+def _serve_or_run(args: argparse.Namespace) -> int:
     try:  # a port in use is found now, not after minutes of loading
         listening = None if args.prompt else listen(args.host, args.port)
     except OSError as exc:

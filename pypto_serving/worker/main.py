@@ -3,7 +3,8 @@ tensor-parallel rank other than 0, `python -m pypto_serving.worker.main --rank R
 
 `DeviceWorkerClient` (actors/device_client.py) starts it with one end of a socket pair as FD
 and sends the encoded `WorkerConfig` as the first message; the messages are in
-messages/worker.py. A plain subprocess, not a multiprocess "spawn" child: spawning also
+messages/worker.py. The server may start it before that config exists (`start_early_worker`):
+it imports torch and the model runner first, then waits for the config. A plain subprocess, not a multiprocess "spawn" child: spawning also
 starts multiprocess's resource-tracker process (~17 MiB resident for the server's
 lifetime), which guards semaphores and shared memory that the worker never uses.
 
@@ -63,6 +64,12 @@ def main() -> None:
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)  # a process the worker starts must not keep the pipe open
     conn = Connection(fd)
+    # The server may start this process before it has a config to send (start_early_worker):
+    # torch and the runner load while it reads the model's settings and builds the tokenizer.
+    try:
+        import pypto_serving.worker.model_runner  # noqa: F401
+    except Exception:  # reported with the config's answer, when _build_runner imports it again
+        pass
     try:
         config = conn.recv_bytes()
     except EOFError:  # the server went away before sending the config
