@@ -3,6 +3,7 @@ checkpoint directories, e.g. a random one of a family's shape from `benchmarks.r
 
     python -m benchmarks.worker_step [--model PATH|NAME ...] [--batch 1 16] [--steps 64]
         [--prompt 128] [--quantization auto] [--activation-quantization int8] [--profile]
+        [--linears]
 
 Per family, e.g. `--model smollm2 qwen2.5-coder-0.5b gemma3-270m --batch 16 --prompt 512`
 (packaged short names or GGUF paths). Prints, for each model and batch size, the prefill of
@@ -10,6 +11,10 @@ Per family, e.g. `--model smollm2 qwen2.5-coder-0.5b gemma3-270m --batch 16 --pr
 and with `--profile`
 the functions where a batch-1 step spends its time (cProfile, sorted by own time). Compare
 with the serve benchmark's inter-token latency to see what the rest of the server adds.
+`--linears` also times a step's packed linears alone at batch 1 (the lm_head aside), all of
+them in model order as a decode step calls them, and prints per kind and width the time per
+step and the bytes of weights read per second: how near each kernel comes to the memory's
+bandwidth (`benchmarks/machine_limits.py`).
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ def main() -> None:
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
     p.add_argument("--activation-quantization", default="int8", choices=("none", "int8", "int16"))
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--linears", action="store_true", help="time the packed linears alone at batch 1")
     args = p.parse_args()
     if args.prompt + args.steps >= MAX_LEN:
         p.error(f"--prompt plus --steps must be below {MAX_LEN}")
@@ -109,6 +115,9 @@ def main() -> None:
         path = str(resolve_short_name(model) or model)
         runner = runner_for(path, max(args.batch), args.quantization, args.activation_quantization)
         first = time_batches(runner, args)
+        if args.linears:
+            for kind, (ms, gbs) in time_linears(runner, args.steps).items():
+                print(f"  {kind:22s} {ms:6.2f} ms/step  {gbs:5.1f} GB/s")
     if args.profile:  # the last model's
         dec = Decoder(runner, 1, first, args.steps, args.prompt)
         with cProfile.Profile() as prof:
@@ -140,3 +149,36 @@ def time_batches(runner: ModelRunner, args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     main()
+
+
+def time_linears(runner: ModelRunner, steps: int) -> dict[str, tuple[float, float]]:
+    """"<name> int<bits>" -> (median ms per step over `steps` passes, GB/s of weights read)
+    for the packed linears of a batch-1 step, run in model order; "all" for the whole pass."""
+    from pypto_serving.kernels.quant_linear import PackedWeight
+    from pypto_serving.models.quant import QuantLinear
+
+    linears = [(f"{name.rsplit('.', 1)[-1]} int{m.weight.packed.bits}", m)
+               for name, m in runner.model.named_modules()
+               if isinstance(m, QuantLinear) and not name.endswith("lm_head")]
+
+    def size(w: PackedWeight) -> int:
+        return sum(t.numel() * t.element_size() for t in (w.q, w.scale, w.zero))
+
+    x = {m.weight.k: torch.randn(1, m.weight.k) for _, m in linears}
+    times: dict[str, list[float]] = {}
+    for _ in range(steps):
+        step: dict[str, float] = {}
+        for kind, m in linears:
+            t0 = time.perf_counter()
+            m(x[m.weight.k])
+            step[kind] = step.get(kind, 0.0) + time.perf_counter() - t0
+        step["all"] = sum(step.values())
+        for kind, seconds in step.items():
+            times.setdefault(kind, []).append(seconds)
+    sizes: dict[str, int] = {}
+    for kind, m in linears:
+        sizes[kind] = sizes.get(kind, 0) + size(m.weight.packed)
+    sizes["all"] = sum(sizes.values())
+    return {kind: (statistics.median(t) * 1e3, sizes[kind] / statistics.median(t) / 1e9)
+            for kind, t in sorted(times.items())}
+

@@ -4,9 +4,10 @@ tensor-parallel rank other than 0, `python -m pypto_serving.worker.main --rank R
 `DeviceWorkerClient` (actors/device_client.py) starts it with one end of a socket pair as FD
 and sends the encoded `WorkerConfig` as the first message; the messages are in
 messages/worker.py. The server may start it before that config exists (`start_early_worker`):
-it imports torch and the model runner first, then waits for the config. A plain subprocess, not a multiprocess "spawn" child: spawning also
-starts multiprocess's resource-tracker process (~17 MiB resident for the server's
-lifetime), which guards semaphores and shared memory that the worker never uses.
+it imports torch and the model runner first, then waits for the config. A plain subprocess,
+not a multiprocess "spawn" child: spawning also starts multiprocess's resource-tracker
+process (~17 MiB resident for the server's lifetime), which guards semaphores and shared
+memory that the worker never uses.
 
 Handshake, then one reply per request. State owned: model weights, KV cache tensors,
 per-sequence sampler state, its profiler. Knows nothing of queues, HTTP or scheduling
