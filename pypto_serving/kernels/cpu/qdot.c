@@ -352,6 +352,59 @@ INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bi
     }
 }
 
+/* As tile, for int5 levels with int8 activations: a quad's pair sums reach 2 * 31 * 127 = 7874,
+ * so the sums of four quads (31496) still fit 16 bits and each half group widens once
+ * (vpmaddwd), not every quad: per group and half panel 8 vpmaddubsw and 2 vpmaddwd instead of
+ * 8 of each. The integer sums are the same, so the results are tile's bit for bit. A half sum
+ * and a group sum per row and half panel need two rows per tile to stay in registers. */
+INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_len, float *y, int64_t ldy,
+                  const float *bias, const char *next) {
+    const int64_t groups = k_len / GROUP;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *xr[2];
+    __m256 acc[2][2];
+    for (int r = 0; r < mr; r++) {
+        xr[r] = x->q + (m0 + r) * k_len;
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256i *qg = p.quads + g * 2 * QUADS;
+        __m256i t[2][2], u[2][2];
+        for (int half = 0; half < 2; half++) {
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                const int j = 4 * half + q;
+                __m256i a = _mm256_loadu_si256(qg + 2 * j), b = _mm256_loadu_si256(qg + 2 * j + 1);
+                for (int r = 0; r < mr; r++) {
+                    __m256i xv = quad_of(xr[r] + g * GROUP + 4 * j);
+                    __m256i pa = _mm256_maddubs_epi16(a, xv), pb = _mm256_maddubs_epi16(b, xv);
+                    u[r][0] = q ? _mm256_add_epi16(u[r][0], pa) : pa;
+                    u[r][1] = q ? _mm256_add_epi16(u[r][1], pb) : pb;
+                    __asm__("" : "+x"(u[r][0]), "+x"(u[r][1]));
+                }
+            }
+            for (int r = 0; r < mr; r++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i w = _mm256_madd_epi16(u[r][h], ones);
+                    t[r][h] = half ? _mm256_add_epi32(t[r][h], w) : w;
+                }
+        }
+        prefetch_group(next, g, 5);
+        const float *sz = p.sz + g * 2 * NB;
+        __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
+        __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
+        for (int r = 0; r < mr; r++) {
+            int64_t i = (m0 + r) * groups + g;
+            acc[r][0] = group_step(acc[r][0], t[r][0], x->d[i], x->sx[i], s0, z0);
+            acc[r][1] = group_step(acc[r][1], t[r][1], x->d[i], x->sx[i], s1, z1);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        store8(y + r * ldy, acc[r][0], bias);
+        store8(y + r * ldy + 8, acc[r][1], bias ? bias + 8 : 0);
+    }
+}
+
 /* Rows 0 .. m - 1 of x against one panel, in tiles of MR rows and a last one of 1 or 2 (each
  * size a constant, so each tile keeps its registers); the first tile prefetches `next` (the
  * following panel's levels, or NULL). */
@@ -362,6 +415,11 @@ INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, int64_
     if (x->lo) {
         for (; m0 + 2 <= m; m0 += 2, next = 0) tile2(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next);
         if (m0 < m) tile2(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
+        return;
+    }
+    if (bits == 5) {
+        for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next);
+        if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next);
         return;
     }
     for (; m0 + MR <= m; m0 += MR, next = 0) tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next);
