@@ -77,7 +77,8 @@ INLINE __m256i quad_of(const int8_t *xq) {
 
 /* int4: 16-bit partial sums over a group stay below 8 * 2 * 15 * 127 = 30480, so they add up
  * in 16 bits and widen once per group. int8: widen every quad (2 * 127 * 127 fits 16 bits).
- * int5: a group's sums reach 8 * 2 * 31 * 127 = 62992, past 16 bits: widen every quad too.
+ * int5: a group's sums reach 8 * 2 * 31 * 127 = 62992, past 16 bits: widen every quad too
+ * (tile5, at M > 1: every four quads).
  * A group's first quad starts its sum (first = 1) rather than adding to zeros. */
 INLINE __m256i quad_dot5(__m256i acc, __m256i w, __m256i x, const int first) {
     __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
