@@ -147,22 +147,15 @@ def time_batches(runner: ModelRunner, args: argparse.Namespace) -> int:
     return first
 
 
-if __name__ == "__main__":
-    main()
-
-
 def time_linears(runner: ModelRunner, steps: int) -> dict[str, tuple[float, float]]:
     """"<name> int<bits>" -> (median ms per step over `steps` passes, GB/s of weights read)
     for the packed linears of a batch-1 step, run in model order; "all" for the whole pass."""
-    from pypto_serving.kernels.quant_linear import PackedWeight
     from pypto_serving.models.quant import QuantLinear
+    from pypto_serving.worker.memory import module_bytes
 
     linears = [(f"{name.rsplit('.', 1)[-1]} int{m.weight.packed.bits}", m)
                for name, m in runner.model.named_modules()
                if isinstance(m, QuantLinear) and not name.endswith("lm_head")]
-
-    def size(w: PackedWeight) -> int:
-        return sum(t.numel() * t.element_size() for t in (w.q, w.scale, w.zero))
 
     x = {m.weight.k: torch.randn(1, m.weight.k) for _, m in linears}
     times: dict[str, list[float]] = {}
@@ -177,8 +170,11 @@ def time_linears(runner: ModelRunner, steps: int) -> dict[str, tuple[float, floa
             times.setdefault(kind, []).append(seconds)
     sizes: dict[str, int] = {}
     for kind, m in linears:
-        sizes[kind] = sizes.get(kind, 0) + size(m.weight.packed)
+        sizes[kind] = sizes.get(kind, 0) + module_bytes(m)
     sizes["all"] = sum(sizes.values())
     return {kind: (statistics.median(t) * 1e3, sizes[kind] / statistics.median(t) / 1e9)
             for kind, t in sorted(times.items())}
 
+
+if __name__ == "__main__":
+    main()
