@@ -105,7 +105,7 @@ static void row_panel(const int16_t *xq, const float *d, const int8_t *q, const 
 /* mr rows of x against rows 8 h .. 8 h + 7 of the int8 panel w (widening the panel once into
  * scratch measured slower: with the rows' int16 copies it overflows L1) */
 INLINE void tile(const int16_t *xq, const float *d, const int mr, const int8_t *w, const int h,
-                 const uint16_t *scale, const float *bias, int64_t k_len, float *y, int64_t ldy) {
+                 const uint16_t *scale, const float *bias, int64_t k_len, float *y, int64_t ldy, const char *next) {
     const int64_t groups = k_len / GROUP;
     __m256 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
@@ -124,21 +124,25 @@ INLINE void tile(const int16_t *xq, const float *d, const int mr, const int8_t *
                 __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]));
             }
         }
+        if (next)
+            for (int l = 0; l < QUADS; l++) _mm_prefetch(next + (g * QUADS + l) * 64, _MM_HINT_T0);
         for (int r = 0; r < mr; r++) acc[r] = group_step(acc[r], fold(t[r][0], t[r][1]), d[r * groups + g], scale + g * NB + h * 8);
     }
     for (int r = 0; r < mr; r++) store8(y + r * ldy + h * 8, acc[r], bias ? bias + h * 8 : 0);
 }
 
 INLINE void panel_rows(const int16_t *xq, const float *d, int64_t m, const int8_t *w, const uint16_t *scale,
-                       const float *bias, int64_t k, float *y, int64_t ldy) {
+                       const float *bias, int64_t k, float *y, int64_t ldy, const char *next) {
     const int64_t groups = k / GROUP;
     for (int h = 0; h < 2; h++) {
         int64_t m0 = 0;
-        for (; m0 + MR <= m; m0 += MR) tile(xq + m0 * k, d + m0 * groups, MR, w, h, scale, bias, k, y + m0 * ldy, ldy);
+        for (; m0 + MR <= m; m0 += MR, next = 0)
+            tile(xq + m0 * k, d + m0 * groups, MR, w, h, scale, bias, k, y + m0 * ldy, ldy, next);
         const int64_t left = m - m0;
-        if (left == 3) tile(xq + m0 * k, d + m0 * groups, 3, w, h, scale, bias, k, y + m0 * ldy, ldy);
-        else if (left == 2) tile(xq + m0 * k, d + m0 * groups, 2, w, h, scale, bias, k, y + m0 * ldy, ldy);
-        else if (left == 1) tile(xq + m0 * k, d + m0 * groups, 1, w, h, scale, bias, k, y + m0 * ldy, ldy);
+        if (left == 3) tile(xq + m0 * k, d + m0 * groups, 3, w, h, scale, bias, k, y + m0 * ldy, ldy, next);
+        else if (left == 2) tile(xq + m0 * k, d + m0 * groups, 2, w, h, scale, bias, k, y + m0 * ldy, ldy, next);
+        else if (left == 1) tile(xq + m0 * k, d + m0 * groups, 1, w, h, scale, bias, k, y + m0 * ldy, ldy, next);
+        next = 0;
     }
 }
 _Static_assert(MR == 4, "panel_rows tiles the last 1 to 3 rows");
@@ -182,8 +186,9 @@ int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, cons
             int64_t rows = m - m0 < pass ? m - m0 : pass;
 #pragma omp for schedule(guided) nowait
             for (int64_t nb = 0; nb < n_blocks; nb++) {
+                const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
                 panel_rows(xq + m0 * k, d + m0 * groups, rows, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB,
-                           bias ? bias + nb * NB : 0, k, y + m0 * ldy + nb * NB, ldy);
+                           bias ? bias + nb * NB : 0, k, y + m0 * ldy + nb * NB, ldy, next);
             }
         }
     }
