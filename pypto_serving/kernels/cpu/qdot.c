@@ -196,6 +196,12 @@ INLINE void prefetch_group(const char *next, int64_t g, const int bits) {
         for (int l = 0; l < bits; l++) _mm_prefetch(next + (g * bits + l) * 64, _MM_HINT_T0);
 }
 
+/* n bytes from p into cache: the next panel's scales and zeros, which panel_prepare reads
+ * first thing (the levels come ahead group by group, prefetch_group). */
+INLINE void prefetch_bytes(const void *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
 /* ---- M = 1: a panel's quads built on the fly ---- */
 
 /* int5 groups a batch-1 row fetches ahead of the one it computes (1.3 KB). A group starts with
@@ -480,6 +486,10 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
         }
         const float *b = bias ? bias + nb * NB : 0;
         const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
+        if (next) {
+            prefetch_bytes(s + (nb + 1) * groups * NB, groups * NB * 2);
+            prefetch_bytes(z + (nb + 1) * groups * NB, groups * NB * 2);
+        }
         if (bits == 4) panel_rows(x, m, p, 4, k, y + nb * NB, ldy, b, next);
         else if (bits == 5) panel_rows(x, m, p, 5, k, y + nb * NB, ldy, b, next);
         else panel_rows(x, m, p, 8, k, y + nb * NB, ldy, b, next);
