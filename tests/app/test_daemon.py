@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -180,13 +181,26 @@ def test_instances_have_their_own_default_paths(monkeypatch: pytest.MonkeyPatch,
     assert daemon.default_pid_file("a") == tmp_path / ".local/state/pypto-serving/a.pid"
 
 
+@contextlib.contextmanager
+def sigint_not_ignored():
+    """Children started inside begin with SIGINT at its default, even when this process
+    inherited it ignored (a suite started as a background job, `tox &`, without job control):
+    Python leaves an inherited ignored SIGINT ignored, and a child would never see Ctrl-C."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_logs_tails_and_follows(tmp_path: Path):
     log = tmp_path / "a.log"
     log.write_text("".join(f"line {i}\n" for i in range(100)))
     tail = run_daemon("logs", "--log-file", str(log), "-n", "2", timeout=30)
     assert tail.returncode == 0 and tail.stdout == "line 98\nline 99\n"
-    follow = subprocess.Popen([sys.executable, "-m", "pypto_serving", "daemon", "logs", "--log-file",
-                               str(log), "-n", "1", "-f"], stdout=subprocess.PIPE, text=True)
+    with sigint_not_ignored():
+        follow = subprocess.Popen([sys.executable, "-m", "pypto_serving", "daemon", "logs", "--log-file",
+                                   str(log), "-n", "1", "-f"], stdout=subprocess.PIPE, text=True)
     timer = threading.Timer(30, follow.kill)  # a follower that hangs fails the test, not the suite
     timer.daemon = True
     timer.start()
