@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefetch.h"
+
 #define INLINE_LOAD static inline __attribute__((always_inline))
 #define MAX_HEAD_DIM 256 /* the attention keeps 8 keys of up to this many floats on the stack */
 
@@ -250,12 +252,6 @@ static inline float softmax_in_place(float *s, int64_t n) {
 
 #define PREFETCH_KEYS 16 /* keys ahead whose vectors are fetched by hand */
 
-/* Brings the vec bytes at p towards the cache, the last line too when they straddle one. */
-INLINE_LOAD void prefetch_vector(const char *p, int64_t vec) {
-    for (int64_t b = 0; b < vec; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    _mm_prefetch(p + vec - 1, _MM_HINT_T0);
-}
-
 /* Vectors to fetch a cache line at a time while other work runs (key l's vector lies at base +
  * slots[l] * row; base NULL: nothing to fetch). Decode attention is bound by memory, and its
  * softmax and value passes read nothing new: fetching the next task's keys then, and this
@@ -290,7 +286,7 @@ INLINE_LOAD void weigh_values(const float *p, int64_t ld_p, const int c, const v
     for (int h = 0; h < c; h++)
         for (int x = 0; x < w; x++) acc[h][x] = _mm256_setzero_ps();
     for (int64_t l = 0; l < n; l++) {
-        if (prefetch && l + PREFETCH_KEYS < n) prefetch_vector(v_bytes + slots[l + PREFETCH_KEYS] * row, vec);
+        if (prefetch && l + PREFETCH_KEYS < n) prefetch_bytes(v_bytes + slots[l + PREFETCH_KEYS] * row, vec);
         if (ahead->base) ahead_step(ahead, 1);
         __m256 ph[3];
         for (int h = 0; h < c; h++) ph[h] = _mm256_set1_ps(p[h * ld_p + l]);
@@ -312,7 +308,7 @@ INLINE_LOAD void load_keys8(float *kb, const void *k_cache, const int64_t *slots
     const char *k_bytes = k_cache;
     int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4);
     for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++)
-        prefetch_vector(k_bytes + slots[u] * row, vec);
+        prefetch_bytes(k_bytes + slots[u] * row, vec);
     for (int u = 0; u < 8; u++)
         for (int64_t j = 0; j < d; j += 8)
             _mm256_store_ps(kb + u * d + j,
@@ -376,7 +372,7 @@ INLINE_LOAD void score_keys4(const float *q, const int c, const void *k_cache, c
     const char *k_bytes = k_cache;
     int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4), base[4];
     for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 4 && u < n; u++)
-        prefetch_vector(k_bytes + slots[u] * row, vec);
+        prefetch_bytes(k_bytes + slots[u] * row, vec);
     for (int u = 0; u < 4; u++) base[u] = slots[l + u < n ? l + u : l] * kv_stride;
     __m256 acc[3][4];
     for (int h = 0; h < c; h++)

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "group_max.h"
+#include "prefetch.h"
 
 #define NB 16
 #define GROUP 32
@@ -187,19 +188,6 @@ static Rows rows_buffer(int64_t m, int64_t k, int planes) {
     r.q = (int8_t *)(r.sx + m * (k / GROUP));
     r.lo = planes == 2 ? r.q + m * k : 0;
     return r;
-}
-
-/* Group g (bits cache lines) of the panel at `next`, while this one computes: a decode step's
- * few rows leave the panels' reads from memory exposed otherwise. */
-INLINE void prefetch_group(const char *next, int64_t g, const int bits) {
-    if (next)
-        for (int l = 0; l < bits; l++) _mm_prefetch(next + (g * bits + l) * 64, _MM_HINT_T0);
-}
-
-/* n bytes from p into cache: the next panel's scales and zeros, which panel_prepare reads
- * first thing (the levels come ahead group by group, prefetch_group). */
-INLINE void prefetch_bytes(const void *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
 }
 
 /* ---- M = 1: a panel's quads built on the fly ---- */
@@ -486,7 +474,7 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
         }
         const float *b = bias ? bias + nb * NB : 0;
         const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
-        if (next) {
+        if (next) { /* the next panel's scales and zeros, which panel_prepare reads first */
             prefetch_bytes(s + (nb + 1) * groups * NB, groups * NB * 2);
             prefetch_bytes(z + (nb + 1) * groups * NB, groups * NB * 2);
         }

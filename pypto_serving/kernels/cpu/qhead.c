@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "group_max.h"
+#include "prefetch.h"
 
 #define NB 16
 #define GROUP 32
@@ -124,8 +125,7 @@ INLINE void tile(const int16_t *xq, const float *d, const int mr, const int8_t *
                 __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]));
             }
         }
-        if (next)
-            for (int l = 0; l < QUADS; l++) _mm_prefetch(next + (g * QUADS + l) * 64, _MM_HINT_T0);
+        prefetch_group(next, g, QUADS); /* an int8 group: a line per quad */
         for (int r = 0; r < mr; r++) acc[r] = group_step(acc[r], fold(t[r][0], t[r][1]), d[r * groups + g], scale + g * NB + h * 8);
     }
     for (int r = 0; r < mr; r++) store8(y + r * ldy + h * 8, acc[r], bias ? bias + h * 8 : 0);
