@@ -182,6 +182,9 @@ class DeviceWorkerClient:
         if self._gone:
             return
         self._gone = True
+        # Who had ended when the first end was seen, before the pipe closes: rank 0 exits when
+        # it does, and a rank that died first must still be the one named.
+        dead = self._first_dead(0.1)
         self._answer_profile([])
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._conn.fileno())
@@ -189,14 +192,23 @@ class DeviceWorkerClient:
             loop.remove_reader(fd)
         self._close()
         if not self._stopping:
-            self._join(0.1)
-            self._on_death(self._death_reason())
+            self._on_death(self._death_reason(dead))
 
-    def _death_reason(self) -> str:
+    def _first_dead(self, timeout: float) -> list[subprocess.Popen]:
+        """The processes that have ended; waits up to `timeout` for one (a closed pipe can be
+        seen a moment before its process can be reaped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            dead = [p for p in self._processes if p.poll() is not None]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.005)
+
+    def _death_reason(self, dead: list[subprocess.Popen]) -> str:
         device = self.cfg.device.device
-        if self.process.returncode is not None or not self.ranks:
+        if self.process in dead or not self.ranks:
             return f"device worker {device} died (exit code {self.process.returncode})"
-        gone = [(r, p.returncode) for r, p in enumerate(self.ranks, 1) if p.returncode is not None]
+        gone = [(r, p.returncode) for r, p in enumerate(self.ranks, 1) if p in dead]
         rank, code = gone[0] if gone else (0, None)
         return f"tensor-parallel rank {rank} of device worker {device} died (exit code {code})"
 
