@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of prompts")
     p.add_argument("--only", action="append", default=None, help="run only workloads containing this")
     p.add_argument("--servers", default="ours,llama,ours-no-prefix-cache",
-                   help="comma list of ours, ours-int16, ours-no-prefix-cache, llama")
+                   help="comma list of ours, ours-int8, ours-int16, ours-no-prefix-cache, llama")
     p.add_argument("--ours-arg", action="append", default=[], help="extra pypto-serving flag (repeatable)")
     p.add_argument("--port", type=int, default=None,
                    help="the first server's port, the next ones after it (default: free ports)")
@@ -163,6 +163,7 @@ def start_servers(args: argparse.Namespace, model: str) -> dict[str, Server]:
         "ours": lambda: ours_command(model, args.ours_arg),
         "ours-no-prefix-cache": lambda: ours_command(model, [*args.ours_arg, "--no-enable-prefix-caching"]),
         "ours-int16": lambda: ours_command(model, [*args.ours_arg, "--activation-quantization", "int16"]),
+        "ours-int8": lambda: ours_command(model, [*args.ours_arg, "--activation-quantization", "int8"]),
         "llama": lambda: llama_server_command(model, args.llama_server, args.threads),
     }
     servers = {}

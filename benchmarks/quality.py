@@ -43,7 +43,8 @@ from pypto_serving.worker.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 OUR_FLAGS = {"exact": ["--quantization", "none", "--activation-quantization", "none"],
-             "int8": [], "int16": ["--activation-quantization", "int16"]}
+             "int8": [], "int16": ["--activation-quantization", "int16"],
+             "mixed": ["--activation-quantization", "mixed"]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +160,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512, help=f"tokens per prefill (at most {MAX_LEN})")
-    p.add_argument("--activation-quantization", default="int8", choices=("int8", "int16"),
+    p.add_argument("--activation-quantization", default="int8", choices=("int8", "int16", "mixed"),
                    help="in process: the fast path's activations (default int8, the server's default)")
     p.add_argument("--api", action="store_true", help="score servers through HTTP")
     p.add_argument("--servers", default="int8,int16,llama",

@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens of each sequence")
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
-    p.add_argument("--activation-quantization", default="int8", choices=("none", "int8", "int16"))
+    p.add_argument("--activation-quantization", default="int8", choices=("none", "int8", "int16", "mixed"))
     p.add_argument("--profile", action="store_true")
     p.add_argument("--linears", action="store_true", help="time the packed linears alone at batch 1")
     args = p.parse_args()

@@ -169,12 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
                    help="weight-only packing of linears and embeddings; auto: on the cpu backend "
                         "with --dtype auto, int4 where lossless (Q4 GGUF) else int8; none: exact")
-    p.add_argument("--activation-quantization", choices=("auto", "none", "int8", "int16"), default="auto",
+    p.add_argument("--activation-quantization", choices=("auto", "none", "int8", "int16", "mixed"),
+                   default="auto",
                    help="int8: packed matmuls on the cpu quantize their inputs per row and group of "
                         "32 (as llama.cpp does; ~2x faster prefill and batched decode, slightly "
-                        "inexact); int16: two int8 planes, near exact, ~1.7x slower prefill than int8 "
-                        "and still faster than none; auto: int8 wherever weights are packed on the "
-                        "cpu; none: float32")
+                        "inexact); mixed: int8, plus a second int8 plane for each row's outlier "
+                        "groups (nearer exact, a little slower); int16: two int8 planes everywhere, "
+                        "near exact, ~1.7x slower prefill than int8 and still faster than none; "
+                        "auto: mixed wherever weights are packed on the cpu; none: float32")
     p.add_argument("--weight-cache-dir", default=None, metavar="DIR",
                    help="where packed weights are kept across starts, so the next start maps them "
                         "instead of dequantizing and packing the checkpoint again (default "

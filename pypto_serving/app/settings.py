@@ -230,11 +230,12 @@ def _quantization(args: argparse.Namespace, backend: str) -> str:
 
 
 def _activation_quantization(args: argparse.Namespace, backend: str, dtype: str, quantization: str) -> str:
-    """int8 activations go with the CPU's packed float32 matmuls: auto picks them there."""
+    """Quantized activations go with the CPU's packed float32 matmuls: auto picks mixed there
+    (int8, with a second plane for each row's outlier groups)."""
     packed_cpu = backend == "cpu" and dtype == "float32" and quantization != "none"
     if args.activation_quantization == "auto":
-        return "int8" if packed_cpu else "none"
-    if args.activation_quantization in ("int8", "int16") and not packed_cpu:
+        return "mixed" if packed_cpu else "none"
+    if args.activation_quantization in ("int8", "int16", "mixed") and not packed_cpu:
         raise FlagError(f"--activation-quantization {args.activation_quantization} needs packed weights "
                         "on the cpu backend (--backend cpu, --dtype auto or float32, --quantization "
                         "other than none)")

@@ -33,7 +33,7 @@ from pypto_serving.models.quant import QuantEmbedding, QuantLinear
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
-ACTIVATION_PLANES = {"none": 0, "int8": 1, "int16": 2}  # the C stack's int8_act
+ACTIVATION_PLANES = {"none": 0, "int8": 1, "int16": 2, "mixed": 3}  # the C stack's int8_act
 
 
 class _QLinear(ctypes.Structure):

@@ -48,6 +48,7 @@ class ActivationQuantization(enum.StrEnum):
     NONE = "none"
     INT8 = "int8"  # the CPU's packed matmuls quantize their inputs per row and group of 32
     INT16 = "int16"  # ... to two int8 planes (value and rounding residual): near exact
+    MIXED = "mixed"  # ... to int8, with the residual plane for each row's outlier groups
 
 
 class LogFormat(enum.StrEnum):

@@ -8,12 +8,14 @@ otherwise to int8. The backend (backends/) supplies the packing
 and the kernels that read it (`QuantKernels`): the CPU's C kernels, or the portable
 dequantize-then-F.linear ones.
 
-`--activation-quantization int8` (the CPU default with packed weights) makes the C matmuls
-(all but the lm_head's, which takes int16 ones) quantize their input rows to int8 per group
-of 32 first, as llama.cpp does (`int16`: two int8 planes, the second holding each rounding's
-residual: near exact, at twice the integer multiply-adds): about twice the multiply-adds per
-second on 4-bit weights, at the price of a small, batch-independent error (each row is
-quantized on its own, so a request's tokens do not depend on its batch).
+`--activation-quantization int8` makes the C matmuls (all but the lm_head's, which takes
+int16 ones) quantize their input rows to int8 per group of 32 first, as llama.cpp does
+(`int16`: two int8 planes, the second holding each rounding's residual: near exact, at twice
+the integer multiply-adds; `mixed`, the CPU default with packed weights: int8, plus that
+second plane for the groups of a row whose int8 step is an outlier's, where most of int8's
+error lies): about twice the multiply-adds per second on 4-bit weights, at the price of a
+small, batch-independent error (each row is quantized on its own, so a request's tokens do
+not depend on its batch).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
 from pypto_serving.kernels.quant_linear import PackedWeight, can_pack, probe_rows
 
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
-ACTIVATION_QUANTIZATIONS = ("none", "int8", "int16")
+ACTIVATION_QUANTIZATIONS = ("none", "int8", "int16", "mixed")
 # A weight within 2% of a level's step counts as on the 4-bit grid: what the fp16 scale and
 # zero cost a Q4_K sub-block (its scale is fp16 x 6 bits); packing it to int8 instead would move
 # weights by up to 15 / 254 / 2 = 3% of that step, in twice the bytes. The same bound decides

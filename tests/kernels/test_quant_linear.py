@@ -299,6 +299,77 @@ def test_int16_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     assert torch.equal(together, alone)
 
 
+def mixed_activation_reference(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """What qdot.c computes with mixed activations: each group quantized as the int8
+    reference's, except a row's wide groups, whose d^2 exceeds the row's mean d^2, which
+    are (254 * hi + lo) * d / 254 as with two planes. Returns the product and the wide
+    groups [m, k / 32]."""
+    m, k = x.shape
+    xg = x.view(m, k // GROUP, GROUP)
+    amax = xg.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    hi = (xg * inv).round()
+    lo = ((xg - hi * d) * inv * 254).round()
+    d2 = d.squeeze(-1).double() ** 2
+    wide = d2 > d2.mean(-1, keepdim=True)
+    quantized = torch.where(wide[..., None], (254 * hi + lo) * (d / 254), hi * d).double().view(m, k)
+    return (quantized @ quant_linear(torch.eye(k), w).double()).float(), wide
+
+
+def outlier_columns(k: int) -> torch.Tensor:
+    return torch.randperm(k, generator=torch.Generator().manual_seed(k))[: k // 256]
+
+
+def with_outliers(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows as a model's linears see them: most channels small, a few (1 in 256, the same in
+    every row) past 40, so that their groups' int8 step dwarfs the others'."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    cols = outlier_columns(k)
+    x[:, cols] += 40 * torch.sign(x[:, cols])
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 40])
+def test_mixed_activation_kernel_widens_the_outlier_groups(bits: int, m: int) -> None:
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_mixed
+
+    n, k = 40, 512
+    packed, _ = pack(torch.randn(n, k, generator=torch.Generator().manual_seed(1)), bits)
+    x = with_outliers(m, k)
+    x[0, :GROUP] = 0.0
+    bias = torch.randn(48)
+    got = quant_linear_cpu_mixed(x, packed, bias)
+    assert got.shape == (m, n)
+    want, wide = mixed_activation_reference(x, packed)
+    outlier_groups = torch.zeros_like(wide)
+    outlier_groups[:, outlier_columns(k) // GROUP] = True
+    assert torch.equal(wide, outlier_groups)  # the outliers' groups are wide, and no other
+    torch.testing.assert_close(got, want + bias[:n], rtol=1e-5, atol=5e-4)
+    # the outliers' groups carry much of int8's rounding error: nearer the float product
+    error, int8_error = errors_beside_int8(got, x, packed, bias)
+    assert error < int8_error / 3  # measured 4.5-6.8 times nearer
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_mixed_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
+    """Bit for bit: which groups are wide is each row's own choice, and a tile that runs the
+    second plane for one row's wide group adds nothing to the rows whose plane there is zeros."""
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_mixed
+
+    packed, _ = pack(weights(64, 4096, bits), bits)
+    x = with_outliers(41, 4096)
+    x[::3] = torch.randn(14, 4096)  # rows with no outliers beside rows with them, in every tile
+    together = quant_linear_cpu_mixed(x, packed)
+    alone = torch.cat([quant_linear_cpu_mixed(x[i : i + 1], packed) for i in range(41)])
+    fives = torch.cat([quant_linear_cpu_mixed(x[i : i + 5], packed) for i in range(0, 40, 5)])
+    assert torch.equal(together, alone)
+    assert torch.equal(together[:40], fives)
+
+
 def int16_head_reference(x: torch.Tensor, w) -> torch.Tensor:
     """What qhead.c computes: groups quantized to round(x * 32767 / max|x|), the exact
     integer dot with the int8 levels, scaled by d * scale (int8 panels' zero is 0)."""

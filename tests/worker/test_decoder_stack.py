@@ -42,6 +42,7 @@ def steps_of_every_kind(d: Driver) -> list[torch.Tensor]:
     ("qwen3", "float16", "int8"), ("qwen3_wide", "float16", "none"),  # q/k norms; head_dim 128
     # Gemma 3: (1 + w) norms, post-norms, GeGLU, sliding windows with their own rotary table
     ("gemma3", "float16", "int8"), ("gemma3", "float32", "none"), ("gemma3_softcap", "float16", "int16"),
+    ("llama", "float16", "mixed"),  # int8, with a second plane for each row's outlier groups
 ])
 def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str, activations: str) -> None:
     config = {"quantization": "int4", "kv_cache_dtype": kv, "activation_quantization": activations}
@@ -61,7 +62,7 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(driver, name: str, kv: str,
     assert fast.tokens == slow.tokens
 
 
-@pytest.mark.parametrize("activations", ["none", "int8", "int16"])
+@pytest.mark.parametrize("activations", ["none", "int8", "int16", "mixed"])
 def test_stack_reads_int5_weights_as_the_per_layer_path(tmp_path, activations: str) -> None:
     """A Q5_0 GGUF's linears pack to int5 under auto; the stack and the per-layer path agree bit
     for bit on them too."""
@@ -87,7 +88,7 @@ def test_no_stack_where_it_does_not_fit(driver) -> None:
     assert driver("qwen3", quantization="int4", dtype="bfloat16")[0].runner.stack is None  # not float32
 
 
-@pytest.mark.parametrize("activations", ["none", "int8"])
+@pytest.mark.parametrize("activations", ["none", "int8", "mixed"])
 def test_decode_rows_of_mixed_steps_equal_decode_only_steps(driver, activations: str) -> None:
     """A sequence decoding next to another's prefill chunk gets the logits it gets in a
     decode-only step: with int8 activations a last-bit difference in attention would flip

@@ -113,6 +113,13 @@ INLINE __m256 group_step(__m256 acc, __m256i dot, float d, float sx, __m256 scal
     return _mm256_fmadd_ps(_mm256_set1_ps(sx), zero, acc);
 }
 
+/* Mixed activations: a wide group's residual plane (d: the int8 step), summed apart from the
+ * int8 steps (store_tile). A narrow group's residual plane is zeros, so a tile may run this for
+ * every row of a group one of its rows has wide: it adds nothing to the others. */
+INLINE __m256 lo_step(__m256 acc, __m256i lo_dot, float d, __m256 scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot), _mm256_mul_ps(_mm256_set1_ps(d / LO_STEPS), scale), acc);
+}
+
 /* ---- activations ---- */
 
 INLINE int32_t hsum8(__m256i t) {
@@ -128,45 +135,85 @@ INLINE __m256i pack32(__m256i i[4]) {
     return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* One group of a row (v: its 32 values, amax: their largest |x|) -> xq, its int8 plane; with lo
+ * also the second plane, the rounding residual x - d * xq in steps of d / LO_STEPS (d = amax /
+ * 127). Returns sum(xq); *lo_sum gets sum(lo). */
+INLINE int32_t quantize_group(const __m256 v[4], float amax, int8_t *xq, int8_t *lo, int32_t *lo_sum) {
+    __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)); /* nearest even */
+    __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i *)xq, pack32(i));
+    if (!lo) return hsum8(t);
+    /* the residual of each rounding is at most d / 2: LO_STEPS / 2 = 127 steps of d / LO_STEPS */
+    __m256 step = _mm256_set1_ps(amax / 127.0f), inv_lo = _mm256_set1_ps(amax > 0.0f ? LO_STEPS * 127.0f / amax : 0.0f);
+    __m256i r[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 res = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(i[j]), step, v[j]);
+        r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(res, inv_lo));
+    }
+    _mm256_storeu_si256((__m256i *)lo, pack32(r));
+    *lo_sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+    return hsum8(t);
+}
+
 /* Row r of x -> xq [k], d [k / 32], sx [k / 32]; with lo (int16 activations) also the second
- * plane: the rounding residual x - d * xq in steps of d / LO_STEPS, and d becomes that step. */
+ * plane, and d becomes its step d / LO_STEPS. */
 static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         __m256 v[4];
         float amax = group_max(x + g * GROUP, v);
         d[g] = amax / 127.0f;
-        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i i[4];
-        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)); /* nearest even */
+        int32_t lo_sum = 0, sum = quantize_group(v, amax, xq + g * GROUP, lo ? lo + g * GROUP : 0, &lo_sum);
         /* The zero term takes the sum of the quantized inputs, d * sum(xq): the group's result is
          * then exactly the dot product of the quantized row with the dequantized weights, whose
          * errors partly cancel; the float sum would pair an exact correction with a quantized
          * product (about twice the error on real layers). */
-        __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-        int32_t sum = hsum8(t);
-        _mm256_storeu_si256((__m256i *)(xq + g * GROUP), pack32(i));
         if (!lo) {
             sx[g] = d[g] * (float)sum;
             continue;
         }
-        /* the residual of each rounding is at most d / 2: LO_STEPS / 2 = 127 steps of d / LO_STEPS */
-        __m256 step = _mm256_set1_ps(d[g]), inv_lo = _mm256_set1_ps(amax > 0.0f ? LO_STEPS * 127.0f / amax : 0.0f);
-        __m256i r[4];
-        for (int j = 0; j < 4; j++) {
-            __m256 res = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(i[j]), step, v[j]);
-            r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(res, inv_lo));
-        }
-        _mm256_storeu_si256((__m256i *)(lo + g * GROUP), pack32(r));
-        __m256i u = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
         d[g] /= LO_STEPS;
-        sx[g] = d[g] * (float)(LO_STEPS * sum + hsum8(u));
+        sx[g] = d[g] * (float)(LO_STEPS * sum + lo_sum);
+    }
+}
+
+/* Mixed activations (planes 3): int8 groups, except the row's groups whose d^2 exceeds
+ * WIDE_RATIO times the row's mean d^2 (an outlier's group, whose rounding error dominates the
+ * row's), which also get the residual plane: wide [g] = 1. d stays the int8 step (a wide
+ * group's residual step is d / LO_STEPS), and a narrow group's residual plane is zeros. On
+ * SmolLM2 about a fifth of the groups are wide, and the int8 rounding error that is left
+ * costs ~1% of top-1 agreement with the exact path instead of ~3% (docs/performance.md). */
+#define WIDE_RATIO 1.0f
+static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo,
+                               uint8_t *wide) {
+    int64_t groups = k / GROUP;
+    float sum_d2 = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 v[4];
+        d[g] = group_max(x + g * GROUP, v) / 127.0f;
+        sum_d2 += d[g] * d[g];
+    }
+    const float limit = WIDE_RATIO * sum_d2 / (float)groups;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 v[4];
+        float amax = group_max(x + g * GROUP, v);
+        wide[g] = d[g] * d[g] > limit;
+        int32_t lo_sum = 0, sum = quantize_group(v, amax, xq + g * GROUP, wide[g] ? lo + g * GROUP : 0, &lo_sum);
+        if (wide[g]) {
+            sx[g] = d[g] / LO_STEPS * (float)(LO_STEPS * sum + lo_sum);
+        } else {
+            memset(lo + g * GROUP, 0, GROUP);
+            sx[g] = d[g] * (float)sum;
+        }
     }
 }
 
 typedef struct {
     int8_t *q;
     float *d, *sx;
-    int8_t *lo; /* the second plane of int16 activations, or NULL */
+    int8_t *lo;    /* the second plane of int16 or mixed activations, or NULL */
+    uint8_t *wide; /* mixed activations: [m][k / 32], 1 where a group has its second plane; or NULL */
 } Rows;
 
 static __thread void *act_buf;
@@ -175,18 +222,20 @@ static __thread size_t act_len;
 /* Room for m quantized rows of k in a per-thread buffer (reused across calls), or .q NULL when
  * out of memory. */
 static Rows rows_buffer(int64_t m, int64_t k, int planes) {
-    size_t need = (size_t)planes * m * k + 2 * (size_t)m * (k / GROUP) * sizeof(float) + 64;
+    size_t need = (size_t)(planes == 1 ? 1 : 2) * m * k + 2 * (size_t)m * (k / GROUP) * sizeof(float) +
+                  (size_t)m * (k / GROUP) + 64;
     if (act_len < need) {
         free(act_buf);
         act_buf = malloc(need);
         act_len = act_buf ? need : 0;
     }
-    Rows r = {0, 0, 0, 0};
+    Rows r = {0, 0, 0, 0, 0};
     if (!act_buf) return r;
     r.d = act_buf;
     r.sx = r.d + m * (k / GROUP);
     r.q = (int8_t *)(r.sx + m * (k / GROUP));
-    r.lo = planes == 2 ? r.q + m * k : 0;
+    r.lo = planes >= 2 ? r.q + m * k : 0;
+    r.wide = planes == 3 ? (uint8_t *)(r.q + 2 * m * k) : 0;
     return r;
 }
 
@@ -207,6 +256,7 @@ INLINE void store8(float *y, __m256 acc, const float *bias) {
 INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, const uint16_t *zero, const int bits,
                       int64_t k_len, float *y, const float *bias) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m256 lo0 = acc0, lo1 = acc0; /* mixed activations: the wide groups' residual planes (store_tile) */
     for (int64_t g = 0; g < k_len / GROUP; g++) {
         if (bits == 5) prefetch_group((const char *)q, g + AHEAD_GROUPS, 5);
         __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
@@ -214,6 +264,7 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
         const uint8_t *q5 = q + g * 10 * GROUP;
         __m256i ha = _mm256_setzero_si256(), hb = ha;
         if (bits == 5) high5(q5, &ha, &hb);
+        const int two = x->lo && (!x->wide || x->wide[g]); /* this group's residual plane counts */
 #pragma GCC unroll 8
         for (int j = 0; j < QUADS; j++) {
             int64_t k = g * GROUP + 4 * j;
@@ -223,19 +274,28 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
             else quads8(q, k, &a, &b);
             t0 = quad_dot(t0, a, xv, bits, 0);
             t1 = quad_dot(t1, b, xv, bits, 0);
-            if (x->lo) {
+            if (two) {
                 __m256i xl = quad_of(x->lo + k);
                 l0 = quad_dot(l0, a, xl, bits, 0);
                 l1 = quad_dot(l1, b, xl, bits, 0);
             }
         }
         __m256i d0 = widen(t0, bits), d1 = widen(t1, bits);
-        if (x->lo) {
+        if (two && !x->wide) {
             d0 = planes_dot(d0, widen(l0, bits));
             d1 = planes_dot(d1, widen(l1, bits));
         }
-        acc0 = group_step(acc0, d0, x->d[g], x->sx[g], half8(scale + g * NB), half8(zero + g * NB));
-        acc1 = group_step(acc1, d1, x->d[g], x->sx[g], half8(scale + g * NB + 8), half8(zero + g * NB + 8));
+        __m256 s0 = half8(scale + g * NB), s1 = half8(scale + g * NB + 8);
+        acc0 = group_step(acc0, d0, x->d[g], x->sx[g], s0, half8(zero + g * NB));
+        acc1 = group_step(acc1, d1, x->d[g], x->sx[g], s1, half8(zero + g * NB + 8));
+        if (two && x->wide) {
+            lo0 = lo_step(lo0, widen(l0, bits), x->d[g], s0);
+            lo1 = lo_step(lo1, widen(l1, bits), x->d[g], s1);
+        }
+    }
+    if (x->wide) {
+        acc0 = _mm256_add_ps(acc0, lo0);
+        acc1 = _mm256_add_ps(acc1, lo1);
     }
     store8(y, acc0, bias);
     store8(y + 8, acc1, bias ? bias + 8 : 0);
@@ -262,11 +322,103 @@ typedef struct {
     const float *sz;
 } Panel;
 
-/* mr rows of x against one panel: every group sum and accumulator stays in a register. The
- * empty asm keeps GCC from turning each chain of adds into a tree over the group's products
- * (which needs more registers than there are, and spills). */
+/* The dots of mr rows (xr: a plane of each, from k = off) with one group's quads qg: t [r][2],
+ * in 16 bits for int4 (widen them). The empty asm keeps GCC from turning each chain of adds
+ * into a tree over the group's products (which needs more registers than there are, and
+ * spills). */
+INLINE void group_dots(const __m256i *qg, const int8_t **xr, int64_t off, const int mr, const int bits,
+                       __m256i t[][2]) {
+#pragma GCC unroll 8
+    for (int j = 0; j < QUADS; j++) {
+        __m256i a = _mm256_loadu_si256(qg + 2 * j), b = _mm256_loadu_si256(qg + 2 * j + 1);
+        for (int r = 0; r < mr; r++) {
+            __m256i xv = quad_of(xr[r] + off + 4 * j);
+            t[r][0] = quad_dot(t[r][0], a, xv, bits, j == 0);
+            t[r][1] = quad_dot(t[r][1], b, xv, bits, j == 0);
+            __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]));
+        }
+    }
+}
+
+/* Mixed activations: whether any of rows m0 .. m0 + mr - 1 has group g wide. */
+INLINE int any_wide(const Rows *x, int64_t m0, const int mr, int64_t groups, int64_t g) {
+    int any = 0;
+    for (int r = 0; r < mr; r++) any |= x->wide[(m0 + r) * groups + g];
+    return any;
+}
+
+/* As group_dots, for int5 levels in tile5's order (see there). */
+INLINE void group_dots5(const __m256i *qg, const int8_t **xr, int64_t off, const int mr, __m256i t[][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i u[2][2];
+    for (int half = 0; half < 2; half++) {
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            const int j = 4 * half + q;
+            __m256i a = _mm256_loadu_si256(qg + 2 * j), b = _mm256_loadu_si256(qg + 2 * j + 1);
+            for (int r = 0; r < mr; r++) {
+                __m256i xv = quad_of(xr[r] + off + 4 * j);
+                __m256i pa = _mm256_maddubs_epi16(a, xv), pb = _mm256_maddubs_epi16(b, xv);
+                u[r][0] = q ? _mm256_add_epi16(u[r][0], pa) : pa;
+                u[r][1] = q ? _mm256_add_epi16(u[r][1], pb) : pb;
+                __asm__("" : "+x"(u[r][0]), "+x"(u[r][1]));
+            }
+        }
+        for (int r = 0; r < mr; r++)
+            for (int h = 0; h < 2; h++) {
+                __m256i w = _mm256_madd_epi16(u[r][h], ones);
+                t[r][h] = half ? _mm256_add_epi32(t[r][h], w) : w;
+            }
+    }
+}
+
+/* A tile's results: acc [r] (+ bias). With mixed activations, the wide groups' residual planes
+ * come after every group's int8 step, in accumulators of their own (the int8 loop keeps its
+ * registers: run inside it, this pass made the int8 tiles spill and cost a third more even
+ * with no wide group), and y = (acc + lo) + bias, as row_panel computes it. */
+INLINE void store_tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
+                       int64_t ldy, const float *bias, __m256 acc[][2], const int mixed) {
+    if (!mixed) {
+        for (int r = 0; r < mr; r++) {
+            store8(y + r * ldy, acc[r][0], bias);
+            store8(y + r * ldy + 8, acc[r][1], bias ? bias + 8 : 0);
+        }
+        return;
+    }
+    for (int r = 0; r < mr; r++) { /* the int8 sums wait in y while the residual pass runs */
+        _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+    }
+    const int64_t groups = k_len / GROUP;
+    const int8_t *xl[MR];
+    __m256 lo[MR][2];
+    for (int r = 0; r < mr; r++) {
+        xl[r] = x->lo + (m0 + r) * k_len;
+        lo[r][0] = lo[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        if (!any_wide(x, m0, mr, groups, g)) continue;
+        const __m256i *qg = p.quads + g * 2 * QUADS;
+        __m256i t[MR][2];
+        if (bits == 5) group_dots5(qg, xl, g * GROUP, mr, t);
+        else group_dots(qg, xl, g * GROUP, mr, bits, t);
+        const float *sz = p.sz + g * 2 * NB;
+        __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
+        for (int r = 0; r < mr; r++) {
+            float d = x->d[(m0 + r) * groups + g];
+            lo[r][0] = lo_step(lo[r][0], widen(t[r][0], bits), d, s0);
+            lo[r][1] = lo_step(lo[r][1], widen(t[r][1], bits), d, s1);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        store8(y + r * ldy, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy), lo[r][0]), bias);
+        store8(y + r * ldy + 8, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy + 8), lo[r][1]), bias ? bias + 8 : 0);
+    }
+}
+
+/* mr rows of x against one panel: every group sum and accumulator stays in a register. */
 INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
-                 int64_t ldy, const float *bias, const char *next) {
+                 int64_t ldy, const float *bias, const char *next, const int mixed) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[MR];
     __m256 acc[MR][2];
@@ -277,16 +429,7 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
     for (int64_t g = 0; g < groups; g++) {
         const __m256i *qg = p.quads + g * 2 * QUADS;
         __m256i t[MR][2];
-#pragma GCC unroll 8
-        for (int j = 0; j < QUADS; j++) {
-            __m256i a = _mm256_loadu_si256(qg + 2 * j), b = _mm256_loadu_si256(qg + 2 * j + 1);
-            for (int r = 0; r < mr; r++) {
-                __m256i xv = quad_of(xr[r] + g * GROUP + 4 * j);
-                t[r][0] = quad_dot(t[r][0], a, xv, bits, j == 0);
-                t[r][1] = quad_dot(t[r][1], b, xv, bits, j == 0);
-                __asm__("" : "+x"(t[r][0]), "+x"(t[r][1]));
-            }
-        }
+        group_dots(qg, xr, g * GROUP, mr, bits, t);
         prefetch_group(next, g, bits);
         const float *sz = p.sz + g * 2 * NB;
         __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
@@ -297,10 +440,7 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
             acc[r][1] = group_step(acc[r][1], widen(t[r][1], bits), x->d[i], x->sx[i], s1, z1);
         }
     }
-    for (int r = 0; r < mr; r++) {
-        store8(y + r * ldy, acc[r][0], bias);
-        store8(y + r * ldy + 8, acc[r][1], bias ? bias + 8 : 0);
-    }
+    store_tile(x, m0, mr, p, bits, k_len, y, ldy, bias, acc, mixed);
 }
 
 /* As tile, for int16 activations: two planes per row, so two rows per tile fit the registers. */
@@ -353,9 +493,8 @@ INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bi
  * 8 of each. The integer sums are the same, so the results are tile's bit for bit. A half sum
  * and a group sum per row and half panel need two rows per tile to stay in registers. */
 INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_len, float *y, int64_t ldy,
-                  const float *bias, const char *next) {
+                  const float *bias, const char *next, const int mixed) {
     const int64_t groups = k_len / GROUP;
-    const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *xr[2];
     __m256 acc[2][2];
     for (int r = 0; r < mr; r++) {
@@ -364,26 +503,8 @@ INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_le
     }
     for (int64_t g = 0; g < groups; g++) {
         const __m256i *qg = p.quads + g * 2 * QUADS;
-        __m256i t[2][2], u[2][2];
-        for (int half = 0; half < 2; half++) {
-#pragma GCC unroll 4
-            for (int q = 0; q < 4; q++) {
-                const int j = 4 * half + q;
-                __m256i a = _mm256_loadu_si256(qg + 2 * j), b = _mm256_loadu_si256(qg + 2 * j + 1);
-                for (int r = 0; r < mr; r++) {
-                    __m256i xv = quad_of(xr[r] + g * GROUP + 4 * j);
-                    __m256i pa = _mm256_maddubs_epi16(a, xv), pb = _mm256_maddubs_epi16(b, xv);
-                    u[r][0] = q ? _mm256_add_epi16(u[r][0], pa) : pa;
-                    u[r][1] = q ? _mm256_add_epi16(u[r][1], pb) : pb;
-                    __asm__("" : "+x"(u[r][0]), "+x"(u[r][1]));
-                }
-            }
-            for (int r = 0; r < mr; r++)
-                for (int h = 0; h < 2; h++) {
-                    __m256i w = _mm256_madd_epi16(u[r][h], ones);
-                    t[r][h] = half ? _mm256_add_epi32(t[r][h], w) : w;
-                }
-        }
+        __m256i t[2][2];
+        group_dots5(qg, xr, g * GROUP, mr, t);
         prefetch_group(next, g, 5);
         const float *sz = p.sz + g * 2 * NB;
         __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
@@ -394,32 +515,41 @@ INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_le
             acc[r][1] = group_step(acc[r][1], t[r][1], x->d[i], x->sx[i], s1, z1);
         }
     }
-    for (int r = 0; r < mr; r++) {
-        store8(y + r * ldy, acc[r][0], bias);
-        store8(y + r * ldy + 8, acc[r][1], bias ? bias + 8 : 0);
-    }
+    store_tile(x, m0, mr, p, 5, k_len, y, ldy, bias, acc, mixed);
 }
 
 /* Rows 0 .. m - 1 of x against one panel, in tiles of MR rows and a last one of 1 or 2 (each
  * size a constant, so each tile keeps its registers); the first tile prefetches `next` (the
  * following panel's levels, or NULL). */
 _Static_assert(MR == 3, "panel_rows tiles the last 1 or 2 rows");
+INLINE void panel_tiles(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y, int64_t ldy,
+                        const float *bias, const char *next, const int mixed) {
+    int64_t m0 = 0;
+    if (bits == 5) {
+        for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next, mixed);
+        if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next, mixed);
+        return;
+    }
+    for (; m0 + MR <= m; m0 += MR, next = 0) tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next, mixed);
+    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next, mixed);
+    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next, mixed);
+}
+
+/* The tiles of int8 and of mixed activations are separate code (mixed a constant): the second
+ * plane's pass, compiled into the int8 tiles, cost them up to half their speed. */
 INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y, int64_t ldy,
                        const float *bias, const char *next) {
-    int64_t m0 = 0;
+    if (x->wide) {
+        panel_tiles(x, m, p, bits, k, y, ldy, bias, next, 1);
+        return;
+    }
     if (x->lo) {
+        int64_t m0 = 0;
         for (; m0 + 2 <= m; m0 += 2, next = 0) tile2(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next);
         if (m0 < m) tile2(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
         return;
     }
-    if (bits == 5) {
-        for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next);
-        if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next);
-        return;
-    }
-    for (; m0 + MR <= m; m0 += MR, next = 0) tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next);
-    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next);
-    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
+    panel_tiles(x, m, p, bits, k, y, ldy, bias, next, 0);
 }
 
 static __thread __m256i *scratch;
@@ -485,11 +615,22 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
     return failed;
 }
 
+/* Row i of rows from x [k], as the rows' kind of activations takes it. */
+static void quantize(const Rows *rows, const float *x, int64_t k, int64_t i) {
+    int64_t groups = k / GROUP;
+    int8_t *lo = rows->lo ? rows->lo + i * k : 0;
+    if (rows->wide)
+        quantize_row_mixed(x, k, rows->q + i * k, rows->d + i * groups, rows->sx + i * groups, lo,
+                           rows->wide + i * groups);
+    else quantize_row(x, k, rows->q + i * k, rows->d + i * groups, rows->sx + i * groups, lo);
+}
+
 /* Rows of x per pass over the panels: their int8 copies stay in L2 while the panels stream. */
 #define PASS_BYTES 131072
 
 /* Same contract as qlinear (x [m, k], y [m, n_blocks * 16], bias NULL or padded), with the
- * activations quantized to int8 (planes 1) or to two int8 planes, about 15 bits (planes 2).
+ * activations quantized to int8 (planes 1), to two int8 planes, about 15 bits (planes 2), or to
+ * int8 with a second plane for each row's outlier groups (planes 3, quantize_row_mixed).
  * Returns 0, or -1 when its scratch memory cannot be allocated. */
 int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
                    const uint16_t *z, int64_t bits, const float *bias, float *y, int64_t planes) {
@@ -497,25 +638,23 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
     if (!rows.q) return -1;
     int64_t ldy = n_blocks * NB, groups = k / GROUP;
     if (m == 1) {
-        quantize_row(x, k, rows.q, rows.d, rows.sx, rows.lo);
+        quantize(&rows, x, k, 0);
         gemv(&rows, k, n_blocks, q, s, z, (int)bits, bias, y);
         return 0;
     }
     const int64_t tile_rows = planes == 2 ? 6 : MR; /* whole tiles of either kind per pass */
-    int64_t pass = PASS_BYTES / (k * planes) / tile_rows * tile_rows;
+    int64_t pass = PASS_BYTES / (k * (planes == 1 ? 1 : 2)) / tile_rows * tile_rows;
     if (pass < tile_rows) pass = tile_rows;
     int failed = 0;
     /* one parallel region: quantize every row, then the passes with no barrier between them */
 #pragma omp parallel reduction(| : failed)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++)
-            quantize_row(x + i * k, k, rows.q + i * k, rows.d + i * groups, rows.sx + i * groups,
-                         rows.lo ? rows.lo + i * k : 0);
+        for (int64_t i = 0; i < m; i++) quantize(&rows, x + i * k, k, i);
         for (int64_t m0 = 0; m0 < m; m0 += pass) {
             int64_t n_rows = m - m0 < pass ? m - m0 : pass;
             Rows part = {rows.q + m0 * k, rows.d + m0 * groups, rows.sx + m0 * groups,
-                         rows.lo ? rows.lo + m0 * k : 0};
+                         rows.lo ? rows.lo + m0 * k : 0, rows.wide ? rows.wide + m0 * groups : 0};
             failed |= gemm(&part, n_rows, k, n_blocks, q, s, z, (int)bits, bias, y + m0 * ldy, ldy);
         }
     }

@@ -45,7 +45,16 @@ def quant_linear_cpu_q16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
     return _linear(2, x, w, bias)
 
 
-INT16_HEAD = 3  # `_linear`'s planes for qhead.c's one int16 plane
+def quant_linear_cpu_mixed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As `quant_linear_cpu_q8`, with the second plane of `quant_linear_cpu_q16` for the groups
+    of a row whose int8 step is an outlier's (d^2 above the row's mean d^2): those groups'
+    rounding errors, which dominate the row's, shrink 254 times, at the cost of one more pass
+    over those groups only."""
+    return _linear(MIXED, x, w, bias)
+
+
+MIXED = 3  # qdot.c's planes for int8 activations with a second plane for the outlier groups
+INT16_HEAD = 4  # `_linear`'s planes for qhead.c's one int16 plane
 
 
 def quant_linear_cpu_head(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,8 +65,8 @@ def quant_linear_cpu_head(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor |
 
 
 def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`planes`: 0 float activations, 1 int8, 2 two int8 planes, INT16_HEAD one int16 plane
-    (int8 weights)."""
+    """`planes`: 0 float activations, 1 int8, 2 two int8 planes, MIXED int8 with two planes for
+    outlier groups, INT16_HEAD one int16 plane (int8 weights)."""
     if x.dim() != 2:
         return _linear(planes, x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
     if not x.is_contiguous():

@@ -58,7 +58,7 @@ typedef struct {
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, kv_half;
     int64_t gemma; /* Gemma 3's layer: (1 + w) norms, post-norms added to the residual, GeGLU */
-    int64_t int8_act; /* the linears quantize their inputs: 0 no, 1 to int8, 2 to two int8 planes (qdot.c) */
+    int64_t int8_act; /* the linears quantize their inputs: 0 no, 1 to int8, 2 to two int8 planes, 3 mixed (qdot.c) */
     float eps, scale;
     const float *final_norm;
 } Shape;
