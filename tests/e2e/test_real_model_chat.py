@@ -66,7 +66,8 @@ FACTS = ["What is the capital of France?", "What is the capital of Japan?", "Who
 def test_the_default_answers_factual_questions_as_the_exact_path(exact_server: ServerProcess,
                                                                   default_server: ServerProcess):
     def answer(server: ServerProcess, question: str) -> str:
-        body = {"messages": [{"role": "user", "content": question}], "max_tokens": NEW_TOKENS, "temperature": 0}
+        body = {"messages": [{"role": "user", "content": question}], "max_tokens": NEW_TOKENS,
+                "temperature": 0}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["message"]["content"]
