@@ -41,7 +41,7 @@ MODELS = {
 class Workload:
     name: str
     bench: BenchConfig
-    servers: tuple[str, ...] = ("ours", "ours-int16", "llama")
+    servers: tuple[str, ...] = ("ours", "ours-int8", "ours-int16", "llama")
 
 
 def workloads(num_prompts_scale: float) -> list[Workload]:
@@ -55,7 +55,7 @@ def workloads(num_prompts_scale: float) -> list[Workload]:
         Workload("c16 512/128", replace(base, concurrency=16, num_prompts=n(32), input_len=512)),
         Workload("c16 shared 400+64/128", replace(base, concurrency=16, num_prompts=16, warmup=0,
                                                  dataset="shared-prefix", prefix_len=400, input_len=64),
-                 servers=("ours", "ours-int16", "ours-no-prefix-cache", "llama")),
+                 servers=("ours", "ours-int8", "ours-int16", "ours-no-prefix-cache", "llama")),
     ]
 
 

@@ -180,14 +180,17 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
 
 /* Mixed activations (planes 3): int8 groups, except the row's groups whose d^2 exceeds
  * WIDE_RATIO times the row's mean d^2 (an outlier's group, whose rounding error dominates the
- * row's), which also get the residual plane: wide [g] = 1. d stays the int8 step (a wide
+ * row's), which also get the residual plane: bit g of wide is set. d stays the int8 step (a wide
  * group's residual step is d / LO_STEPS), and a narrow group's residual plane is zeros. On
  * SmolLM2 about a fifth of the groups are wide, and the int8 rounding error that is left
  * costs ~1% of top-1 agreement with the exact path instead of ~3% (docs/performance.md). */
 #define WIDE_RATIO 1.0f
+#define WIDE_WORDS(groups) (((groups) + 63) / 64) /* a row's wide groups: one bit each */
+INLINE int is_wide(const uint64_t *wide, int64_t g) { return (int)((wide[g >> 6] >> (g & 63)) & 1); }
 static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo,
-                               uint8_t *wide) {
+                               uint64_t *wide) {
     int64_t groups = k / GROUP;
+    memset(wide, 0, WIDE_WORDS(groups) * sizeof(uint64_t));
     float sum_d2 = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         __m256 v[4];
@@ -198,9 +201,10 @@ static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, 
     for (int64_t g = 0; g < groups; g++) {
         __m256 v[4];
         float amax = group_max(x + g * GROUP, v);
-        wide[g] = d[g] * d[g] > limit;
-        int32_t lo_sum = 0, sum = quantize_group(v, amax, xq + g * GROUP, wide[g] ? lo + g * GROUP : 0, &lo_sum);
-        if (wide[g]) {
+        const int is_wide = d[g] * d[g] > limit;
+        wide[g >> 6] |= (uint64_t)is_wide << (g & 63);
+        int32_t lo_sum = 0, sum = quantize_group(v, amax, xq + g * GROUP, is_wide ? lo + g * GROUP : 0, &lo_sum);
+        if (is_wide) {
             sx[g] = d[g] / LO_STEPS * (float)(LO_STEPS * sum + lo_sum);
         } else {
             memset(lo + g * GROUP, 0, GROUP);
@@ -213,7 +217,8 @@ typedef struct {
     int8_t *q;
     float *d, *sx;
     int8_t *lo;    /* the second plane of int16 or mixed activations, or NULL */
-    uint8_t *wide; /* mixed activations: [m][k / 32], 1 where a group has its second plane; or NULL */
+    uint64_t *wide; /* mixed activations: [m][WIDE_WORDS(k / 32)], a set bit where a group has its
+                     * second plane; or NULL */
 } Rows;
 
 static __thread void *act_buf;
@@ -223,7 +228,7 @@ static __thread size_t act_len;
  * out of memory. */
 static Rows rows_buffer(int64_t m, int64_t k, int planes) {
     size_t need = (size_t)(planes == 1 ? 1 : 2) * m * k + 2 * (size_t)m * (k / GROUP) * sizeof(float) +
-                  (size_t)m * (k / GROUP) + 64;
+                  (size_t)m * WIDE_WORDS(k / GROUP) * sizeof(uint64_t) + 64;
     if (act_len < need) {
         free(act_buf);
         act_buf = malloc(need);
@@ -231,11 +236,11 @@ static Rows rows_buffer(int64_t m, int64_t k, int planes) {
     }
     Rows r = {0, 0, 0, 0, 0};
     if (!act_buf) return r;
-    r.d = act_buf;
+    r.wide = planes == 3 ? act_buf : 0; /* first: 8-byte aligned */
+    r.d = (float *)((uint64_t *)act_buf + (planes == 3 ? m * WIDE_WORDS(k / GROUP) : 0));
     r.sx = r.d + m * (k / GROUP);
     r.q = (int8_t *)(r.sx + m * (k / GROUP));
     r.lo = planes >= 2 ? r.q + m * k : 0;
-    r.wide = planes == 3 ? (uint8_t *)(r.q + 2 * m * k) : 0;
     return r;
 }
 
@@ -264,7 +269,7 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
         const uint8_t *q5 = q + g * 10 * GROUP;
         __m256i ha = _mm256_setzero_si256(), hb = ha;
         if (bits == 5) high5(q5, &ha, &hb);
-        const int two = x->lo && (!x->wide || x->wide[g]); /* this group's residual plane counts */
+        const int two = x->lo && (!x->wide || is_wide(x->wide, g)); /* this group's residual plane counts */
 #pragma GCC unroll 8
         for (int j = 0; j < QUADS; j++) {
             int64_t k = g * GROUP + 4 * j;
@@ -340,10 +345,10 @@ INLINE void group_dots(const __m256i *qg, const int8_t **xr, int64_t off, const 
     }
 }
 
-/* Mixed activations: whether any of rows m0 .. m0 + mr - 1 has group g wide. */
-INLINE int any_wide(const Rows *x, int64_t m0, const int mr, int64_t groups, int64_t g) {
-    int any = 0;
-    for (int r = 0; r < mr; r++) any |= x->wide[(m0 + r) * groups + g];
+/* Mixed activations: word w of the groups any of rows m0 .. m0 + mr - 1 has wide. */
+INLINE uint64_t tile_wide(const Rows *x, int64_t m0, const int mr, int64_t words, int64_t w) {
+    uint64_t any = 0;
+    for (int r = 0; r < mr; r++) any |= x->wide[(m0 + r) * words + w];
     return any;
 }
 
@@ -378,7 +383,11 @@ INLINE void group_dots5(const __m256i *qg, const int8_t **xr, int64_t off, const
  * with no wide group), and y = (acc + lo) + bias, as row_panel computes it. */
 INLINE void store_tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
                        int64_t ldy, const float *bias, __m256 acc[][2], const int mixed) {
-    if (!mixed) {
+    const int64_t groups = k_len / GROUP, words = WIDE_WORDS(groups);
+    uint64_t any = 0;
+    if (mixed)
+        for (int64_t w = 0; w < words; w++) any |= tile_wide(x, m0, mr, words, w);
+    if (!any) {
         for (int r = 0; r < mr; r++) {
             store8(y + r * ldy, acc[r][0], bias);
             store8(y + r * ldy + 8, acc[r][1], bias ? bias + 8 : 0);
@@ -389,27 +398,27 @@ INLINE void store_tile(const Rows *x, int64_t m0, const int mr, Panel p, const i
         _mm256_storeu_ps(y + r * ldy, acc[r][0]);
         _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
     }
-    const int64_t groups = k_len / GROUP;
     const int8_t *xl[MR];
     __m256 lo[MR][2];
     for (int r = 0; r < mr; r++) {
         xl[r] = x->lo + (m0 + r) * k_len;
         lo[r][0] = lo[r][1] = _mm256_setzero_ps();
     }
-    for (int64_t g = 0; g < groups; g++) {
-        if (!any_wide(x, m0, mr, groups, g)) continue;
-        const __m256i *qg = p.quads + g * 2 * QUADS;
-        __m256i t[MR][2];
-        if (bits == 5) group_dots5(qg, xl, g * GROUP, mr, t);
-        else group_dots(qg, xl, g * GROUP, mr, bits, t);
-        const float *sz = p.sz + g * 2 * NB;
-        __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
-        for (int r = 0; r < mr; r++) {
-            float d = x->d[(m0 + r) * groups + g];
-            lo[r][0] = lo_step(lo[r][0], widen(t[r][0], bits), d, s0);
-            lo[r][1] = lo_step(lo[r][1], widen(t[r][1], bits), d, s1);
+    for (int64_t w = 0; w < words; w++)
+        for (uint64_t bits_left = tile_wide(x, m0, mr, words, w); bits_left; bits_left &= bits_left - 1) {
+            const int64_t g = w * 64 + __builtin_ctzll(bits_left);
+            const __m256i *qg = p.quads + g * 2 * QUADS;
+            __m256i t[MR][2];
+            if (bits == 5) group_dots5(qg, xl, g * GROUP, mr, t);
+            else group_dots(qg, xl, g * GROUP, mr, bits, t);
+            const float *sz = p.sz + g * 2 * NB;
+            __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
+            for (int r = 0; r < mr; r++) {
+                float d = x->d[(m0 + r) * groups + g];
+                lo[r][0] = lo_step(lo[r][0], widen(t[r][0], bits), d, s0);
+                lo[r][1] = lo_step(lo[r][1], widen(t[r][1], bits), d, s1);
+            }
         }
-    }
     for (int r = 0; r < mr; r++) {
         store8(y + r * ldy, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy), lo[r][0]), bias);
         store8(y + r * ldy + 8, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy + 8), lo[r][1]), bias ? bias + 8 : 0);
@@ -621,7 +630,7 @@ static void quantize(const Rows *rows, const float *x, int64_t k, int64_t i) {
     int8_t *lo = rows->lo ? rows->lo + i * k : 0;
     if (rows->wide)
         quantize_row_mixed(x, k, rows->q + i * k, rows->d + i * groups, rows->sx + i * groups, lo,
-                           rows->wide + i * groups);
+                           rows->wide + i * WIDE_WORDS(groups));
     else quantize_row(x, k, rows->q + i * k, rows->d + i * groups, rows->sx + i * groups, lo);
 }
 
@@ -643,7 +652,10 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
         return 0;
     }
     const int64_t tile_rows = planes == 2 ? 6 : MR; /* whole tiles of either kind per pass */
-    int64_t pass = PASS_BYTES / (k * (planes == 1 ? 1 : 2)) / tile_rows * tile_rows;
+    /* mixed rows count their int8 plane only: their second plane is read for wide groups alone,
+     * and halving the rows per pass (as for int16) streamed and unpacked the panels twice as
+     * often, which cost a 2048-row prefill a third more even with few wide groups */
+    int64_t pass = PASS_BYTES / (k * (planes == 2 ? 2 : 1)) / tile_rows * tile_rows;
     if (pass < tile_rows) pass = tile_rows;
     int failed = 0;
     /* one parallel region: quantize every row, then the passes with no barrier between them */
@@ -654,7 +666,7 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
         for (int64_t m0 = 0; m0 < m; m0 += pass) {
             int64_t n_rows = m - m0 < pass ? m - m0 : pass;
             Rows part = {rows.q + m0 * k, rows.d + m0 * groups, rows.sx + m0 * groups,
-                         rows.lo ? rows.lo + m0 * k : 0, rows.wide ? rows.wide + m0 * groups : 0};
+                         rows.lo ? rows.lo + m0 * k : 0, rows.wide ? rows.wide + m0 * WIDE_WORDS(groups) : 0};
             failed |= gemm(&part, n_rows, k, n_blocks, q, s, z, (int)bits, bias, y + m0 * ldy, ldy);
         }
     }
