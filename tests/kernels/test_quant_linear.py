@@ -243,19 +243,29 @@ def test_int8_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     assert torch.equal(together, fives)
 
 
-def int16_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
-    """What qdot.c computes with two planes: per group hi = round(x / d) (d = max|x| / 127)
-    and lo = round((x - d * hi) / (d / 254)), then the int8 reference's product with
-    x replaced by (254 * hi + lo) * d / 254: the row as it is quantized, times the weights."""
+def two_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group of 32: d = max|x| / 127 [m, groups, 1], hi = round(x / d) and
+    lo = round((x - d * hi) / (d / 254)) [m, groups, 32]."""
     m, k = x.shape
     xg = x.view(m, k // GROUP, GROUP)
     amax = xg.abs().amax(-1, keepdim=True)
     d = amax / 127.0
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     hi = (xg * inv).round()
-    lo = ((xg - hi * d) * inv * 254).round()
-    quantized = ((254 * hi + lo) * (d / 254)).double().view(m, k)
-    return (quantized @ quant_linear(torch.eye(k), w).double()).float()
+    return d, hi, ((xg - hi * d) * inv * 254).round()
+
+
+def times_weights(quantized: torch.Tensor, w) -> torch.Tensor:
+    """A quantized row [m, groups, 32] times the dequantized weights, in float64."""
+    m = quantized.shape[0]
+    return (quantized.double().view(m, w.k) @ quant_linear(torch.eye(w.k), w).double()).float()
+
+
+def int16_activation_reference(x: torch.Tensor, w) -> torch.Tensor:
+    """What qdot.c computes with two planes: the int8 reference's product with x replaced by
+    (254 * hi + lo) * d / 254 (two_planes): the row as it is quantized, times the weights."""
+    d, hi, lo = two_planes(x)
+    return times_weights((254 * hi + lo) * (d / 254), w)
 
 
 def errors_beside_int8(got: torch.Tensor, x: torch.Tensor, packed, bias: torch.Tensor) -> tuple[float, float]:
@@ -304,17 +314,10 @@ def mixed_activation_reference(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.
     reference's, except a row's wide groups, whose d^2 exceeds the row's mean d^2, which
     are (254 * hi + lo) * d / 254 as with two planes. Returns the product and the wide
     groups [m, k / 32]."""
-    m, k = x.shape
-    xg = x.view(m, k // GROUP, GROUP)
-    amax = xg.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    hi = (xg * inv).round()
-    lo = ((xg - hi * d) * inv * 254).round()
+    d, hi, lo = two_planes(x)
     d2 = d.squeeze(-1).double() ** 2
     wide = d2 > d2.mean(-1, keepdim=True)
-    quantized = torch.where(wide[..., None], (254 * hi + lo) * (d / 254), hi * d).double().view(m, k)
-    return (quantized @ quant_linear(torch.eye(k), w).double()).float(), wide
+    return times_weights(torch.where(wide[..., None], (254 * hi + lo) * (d / 254), hi * d), w), wide
 
 
 def outlier_columns(k: int) -> torch.Tensor:
