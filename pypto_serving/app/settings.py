@@ -235,7 +235,7 @@ def _activation_quantization(args: argparse.Namespace, backend: str, dtype: str,
     packed_cpu = backend == "cpu" and dtype == "float32" and quantization != "none"
     if args.activation_quantization == "auto":
         return "mixed" if packed_cpu else "none"
-    if args.activation_quantization in ("int8", "int16", "mixed") and not packed_cpu:
+    if args.activation_quantization != "none" and not packed_cpu:
         raise FlagError(f"--activation-quantization {args.activation_quantization} needs packed weights "
                         "on the cpu backend (--backend cpu, --dtype auto or float32, --quantization "
                         "other than none)")

@@ -45,9 +45,10 @@ class CpuBackend(PortableBackend):
         from pypto_serving.kernels.cpu import qlinear
         from pypto_serving.kernels.quant_linear import pack
 
-        matmul = {"int8": qlinear.quant_linear_cpu_q8, "int16": qlinear.quant_linear_cpu_q16,
-                  "mixed": qlinear.quant_linear_cpu_mixed}.get(activations, qlinear.quant_linear_cpu)
-        used = activations if activations in ("int8", "int16", "mixed") else "none"
+        quantizing = {"int8": qlinear.quant_linear_cpu_q8, "int16": qlinear.quant_linear_cpu_q16,
+                      "mixed": qlinear.quant_linear_cpu_mixed}
+        matmul = quantizing.get(activations, qlinear.quant_linear_cpu)
+        used = activations if activations in quantizing else "none"
         head = qlinear.quant_linear_cpu if used == "none" else qlinear.quant_linear_cpu_head
         return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, used, head=head)
 

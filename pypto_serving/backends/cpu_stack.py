@@ -24,6 +24,7 @@ import torch
 
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.cpu.decoder import MAX_HEAD_DIM
+from pypto_serving.kernels.cpu.qlinear import ACTIVATION_PLANES  # the C stack's int8_act
 from pypto_serving.kernels.quant_linear import PANEL
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
@@ -33,7 +34,6 @@ from pypto_serving.models.quant import QuantEmbedding, QuantLinear
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
-ACTIVATION_PLANES = {"none": 0, "int8": 1, "int16": 2, "mixed": 3}  # the C stack's int8_act
 
 
 class _QLinear(ctypes.Structure):

@@ -14,11 +14,11 @@ import weakref
 import torch
 
 from pypto_serving.kernels.cpu import library
+from pypto_serving.kernels.cpu.qlinear import ACTIVATION_PLANES
 from pypto_serving.kernels.moe import ExpertGroup, PackedExperts, fused_moe, group_by_expert
 from pypto_serving.kernels.quant_linear import PANEL, PackedWeight
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-ACTIVATION_PLANES = {"none": 0, "int8": 1, "int16": 2, "mixed": 3}
 
 
 class _Linear(ctypes.Structure):

@@ -29,20 +29,27 @@ def _weight_args(w: PackedWeight) -> tuple:
     return args
 
 
+# qdot.c's `planes` for each --activation-quantization (also the C stack's and fused MoE's):
+# 0 float activations (qlinear.c), 1 int8, 2 two int8 planes, 3 int8 with two planes for the
+# outlier groups.
+ACTIVATION_PLANES = {"none": 0, "int8": 1, "int16": 2, "mixed": 3}
+INT16_HEAD = 4  # `_linear`'s planes for qhead.c's one int16 plane
+
+
 def quant_linear_cpu(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] float32 -> [..., n]; bias padded to whole panels (n_blocks * 16)."""
-    return _linear(0, x, w, bias)
+    return _linear(ACTIVATION_PLANES["none"], x, w, bias)
 
 
 def quant_linear_cpu_q8(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """As `quant_linear_cpu`, with x quantized to int8 per row and group of 32 first."""
-    return _linear(1, x, w, bias)
+    return _linear(ACTIVATION_PLANES["int8"], x, w, bias)
 
 
 def quant_linear_cpu_q16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """As `quant_linear_cpu_q8`, with a second int8 plane for each rounding's residual (in
     steps of d / 254): about 15-bit activations, at twice the integer multiply-adds."""
-    return _linear(2, x, w, bias)
+    return _linear(ACTIVATION_PLANES["int16"], x, w, bias)
 
 
 def quant_linear_cpu_mixed(x: torch.Tensor, w: PackedWeight,
@@ -51,23 +58,18 @@ def quant_linear_cpu_mixed(x: torch.Tensor, w: PackedWeight,
     of a row whose int8 step is an outlier's (d^2 above the row's mean d^2): those groups'
     rounding errors, which dominate the row's, shrink 254 times, at the cost of one more pass
     over those groups only."""
-    return _linear(MIXED, x, w, bias)
-
-
-MIXED = 3  # qdot.c's planes for int8 activations with a second plane for the outlier groups
-INT16_HEAD = 4  # `_linear`'s planes for qhead.c's one int16 plane
+    return _linear(ACTIVATION_PLANES["mixed"], x, w, bias)
 
 
 def quant_linear_cpu_head(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The lm_head's matmul: int8 panels against x quantized to int16 per row and group of 32
     (qhead.c: about 15-bit activations, exact integer dots, one vpmaddwd per 16 products), the
     same for a row alone or in any batch. Other widths take the two-plane int16 kernel."""
-    return _linear(INT16_HEAD if w.bits == 8 else 2, x, w, bias)
+    return _linear(INT16_HEAD if w.bits == 8 else ACTIVATION_PLANES["int16"], x, w, bias)
 
 
 def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`planes`: 0 float activations, 1 int8, 2 two int8 planes, MIXED int8 with two planes for
-    outlier groups, INT16_HEAD one int16 plane (int8 weights)."""
+    """`planes`: one of ACTIVATION_PLANES, or INT16_HEAD (one int16 plane, int8 weights)."""
     if x.dim() != 2:
         return _linear(planes, x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
     if not x.is_contiguous():
