@@ -1,7 +1,7 @@
 """How close a fast path's numbers are to the exact path's, teacher-forced over mixed text.
 
     python -m benchmarks.quality [--model smollm2] [--tokens 2048] [--window 512]
-    python -m benchmarks.quality --api [--servers int8,int16,llama]
+    python -m benchmarks.quality --api [--servers mixed,int8,int16,llama]
 
 Both modes score the same windows of text (prose and code from this repository) with prompt
 logprobs, and print, per path, top-1 agreement with the exact path (the most likely token at
@@ -10,11 +10,11 @@ a position is the same) and perplexity (and its excess over the exact path's) as
 In process (the default), the device worker's own `ModelRunner` runs twice, configured as
 the server configures it: the exact path (`--quantization none --activation-quantization
 none`, float32 KV cache: equal to `transformers`) and the default on the cpu backend (`auto`
-packing, `int8` activations, float16 KV cache).
+packing, `mixed` activations, float16 KV cache; `--activation-quantization` picks another).
 
 With `--api` every path is a server started for the run and scored through HTTP: ours
-(`/v1/completions` with `prompt_logprobs: 1` and `max_tokens: 1`; `exact`, `int8` (the
-default), `int16`), and llama.cpp's llama-server on the same GGUF (`llama`): it has no prompt
+(`/v1/completions` with `prompt_logprobs: 1` and `max_tokens: 1`; `exact`, `mixed` (the
+default flags), `int8`, `int16`), and llama.cpp's llama-server on the same GGUF (`llama`): it has no prompt
 logprobs, so each position is one `/completion` request for the window's tokens so far
 (`n_predict: 1`, `n_probs`: the predicted token's logprob and the top candidates; its prompt
 cache makes each request a one-token step). Its perplexity counts a position only when the
@@ -43,8 +43,8 @@ from pypto_serving.worker.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 OUR_FLAGS = {"exact": ["--quantization", "none", "--activation-quantization", "none"],
-             "int8": [], "int16": ["--activation-quantization", "int16"],
-             "mixed": ["--activation-quantization", "mixed"]}
+             "mixed": [], "int8": ["--activation-quantization", "int8"],
+             "int16": ["--activation-quantization", "int16"]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +96,8 @@ def score_in_process(r: ModelRunner, wins: list[list[int]]) -> Scores:
     return Scores(logprobs, top1)
 
 
-def measure(path: str, ids: list[int], window: int, activations: str = "int8") -> dict:
-    """The exact path against `auto` packing with `activations` (int8 by default, as served)."""
+def measure(path: str, ids: list[int], window: int, activations: str = "mixed") -> dict:
+    """The exact path against `auto` packing with `activations` (mixed by default, as served)."""
     paths = {"exact": ("none", "none"), activations: ("auto", activations)}
     scores = {}
     for name, (quantization, acts) in paths.items():
@@ -160,10 +160,10 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512, help=f"tokens per prefill (at most {MAX_LEN})")
-    p.add_argument("--activation-quantization", default="int8", choices=("int8", "int16", "mixed"),
-                   help="in process: the fast path's activations (default int8, the server's default)")
+    p.add_argument("--activation-quantization", default="mixed", choices=("mixed", "int8", "int16"),
+                   help="in process: the fast path's activations (default mixed, the server's default)")
     p.add_argument("--api", action="store_true", help="score servers through HTTP")
-    p.add_argument("--servers", default="int8,int16,llama",
+    p.add_argument("--servers", default="mixed,int8,int16,llama",
                    help=f"with --api: comma list of {', '.join(OUR_FLAGS)}, llama (exact always runs)")
     p.add_argument("--llama-probs", type=int, default=20, help="llama-server's n_probs")
     args = p.parse_args()
