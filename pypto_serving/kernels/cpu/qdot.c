@@ -345,13 +345,6 @@ INLINE void group_dots(const __m256i *qg, const int8_t **xr, int64_t off, const 
     }
 }
 
-/* Mixed activations: word w of the groups any of rows m0 .. m0 + mr - 1 has wide. */
-INLINE uint64_t tile_wide(const Rows *x, int64_t m0, const int mr, int64_t words, int64_t w) {
-    uint64_t any = 0;
-    for (int r = 0; r < mr; r++) any |= x->wide[(m0 + r) * words + w];
-    return any;
-}
-
 /* As group_dots, for int5 levels in tile5's order (see there). */
 INLINE void group_dots5(const __m256i *qg, const int8_t **xr, int64_t off, const int mr, __m256i t[][2]) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -377,57 +370,22 @@ INLINE void group_dots5(const __m256i *qg, const int8_t **xr, int64_t off, const
     }
 }
 
-/* A tile's results: acc [r] (+ bias). With mixed activations, the wide groups' residual planes
- * come after every group's int8 step, in accumulators of their own (the int8 loop keeps its
- * registers: run inside it, this pass made the int8 tiles spill and cost a third more even
- * with no wide group), and y = (acc + lo) + bias, as row_panel computes it. */
-INLINE void store_tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
-                       int64_t ldy, const float *bias, __m256 acc[][2], const int mixed) {
-    const int64_t groups = k_len / GROUP, words = WIDE_WORDS(groups);
-    uint64_t any = 0;
-    if (mixed)
-        for (int64_t w = 0; w < words; w++) any |= tile_wide(x, m0, mr, words, w);
-    if (!any) {
-        for (int r = 0; r < mr; r++) {
-            store8(y + r * ldy, acc[r][0], bias);
-            store8(y + r * ldy + 8, acc[r][1], bias ? bias + 8 : 0);
-        }
-        return;
-    }
-    for (int r = 0; r < mr; r++) { /* the int8 sums wait in y while the residual pass runs */
-        _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-        _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-    }
-    const int8_t *xl[MR];
-    __m256 lo[MR][2];
+/* A tile's results: acc [r] (+ bias); with mixed activations (acc + lo [r]) + bias, lo the rows'
+ * residual sums (wide_pass). */
+INLINE void store_tile(const int mr, float *y, int64_t ldy, const float *bias, __m256 acc[][2], const float *lo) {
     for (int r = 0; r < mr; r++) {
-        xl[r] = x->lo + (m0 + r) * k_len;
-        lo[r][0] = lo[r][1] = _mm256_setzero_ps();
-    }
-    for (int64_t w = 0; w < words; w++)
-        for (uint64_t bits_left = tile_wide(x, m0, mr, words, w); bits_left; bits_left &= bits_left - 1) {
-            const int64_t g = w * 64 + __builtin_ctzll(bits_left);
-            const __m256i *qg = p.quads + g * 2 * QUADS;
-            __m256i t[MR][2];
-            if (bits == 5) group_dots5(qg, xl, g * GROUP, mr, t);
-            else group_dots(qg, xl, g * GROUP, mr, bits, t);
-            const float *sz = p.sz + g * 2 * NB;
-            __m256 s0 = _mm256_load_ps(sz), s1 = _mm256_load_ps(sz + 8);
-            for (int r = 0; r < mr; r++) {
-                float d = x->d[(m0 + r) * groups + g];
-                lo[r][0] = lo_step(lo[r][0], widen(t[r][0], bits), d, s0);
-                lo[r][1] = lo_step(lo[r][1], widen(t[r][1], bits), d, s1);
-            }
+        if (lo) {
+            acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_load_ps(lo + r * NB));
+            acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_load_ps(lo + r * NB + 8));
         }
-    for (int r = 0; r < mr; r++) {
-        store8(y + r * ldy, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy), lo[r][0]), bias);
-        store8(y + r * ldy + 8, _mm256_add_ps(_mm256_loadu_ps(y + r * ldy + 8), lo[r][1]), bias ? bias + 8 : 0);
+        store8(y + r * ldy, acc[r][0], bias);
+        store8(y + r * ldy + 8, acc[r][1], bias ? bias + 8 : 0);
     }
 }
 
 /* mr rows of x against one panel: every group sum and accumulator stays in a register. */
 INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
-                 int64_t ldy, const float *bias, const char *next, const int mixed) {
+                 int64_t ldy, const float *bias, const char *next, const float *lo) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[MR];
     __m256 acc[MR][2];
@@ -449,7 +407,7 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
             acc[r][1] = group_step(acc[r][1], widen(t[r][1], bits), x->d[i], x->sx[i], s1, z1);
         }
     }
-    store_tile(x, m0, mr, p, bits, k_len, y, ldy, bias, acc, mixed);
+    store_tile(mr, y, ldy, bias, acc, lo);
 }
 
 /* As tile, for int16 activations: two planes per row, so two rows per tile fit the registers. */
@@ -502,7 +460,7 @@ INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bi
  * 8 of each. The integer sums are the same, so the results are tile's bit for bit. A half sum
  * and a group sum per row and half panel need two rows per tile to stay in registers. */
 INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_len, float *y, int64_t ldy,
-                  const float *bias, const char *next, const int mixed) {
+                  const float *bias, const char *next, const float *lo) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[2];
     __m256 acc[2][2];
@@ -524,7 +482,7 @@ INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_le
             acc[r][1] = group_step(acc[r][1], t[r][1], x->d[i], x->sx[i], s1, z1);
         }
     }
-    store_tile(x, m0, mr, p, 5, k_len, y, ldy, bias, acc, mixed);
+    store_tile(mr, y, ldy, bias, acc, lo);
 }
 
 /* Rows 0 .. m - 1 of x against one panel, in tiles of MR rows and a last one of 1 or 2 (each
@@ -532,24 +490,104 @@ INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_le
  * following panel's levels, or NULL). */
 _Static_assert(MR == 3, "panel_rows tiles the last 1 or 2 rows");
 INLINE void panel_tiles(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y, int64_t ldy,
-                        const float *bias, const char *next, const int mixed) {
+                        const float *bias, const char *next, const float *lo) {
     int64_t m0 = 0;
     if (bits == 5) {
-        for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next, mixed);
-        if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next, mixed);
+        for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
+        if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
         return;
     }
-    for (; m0 + MR <= m; m0 += MR, next = 0) tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next, mixed);
-    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next, mixed);
-    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next, mixed);
+    for (; m0 + MR <= m; m0 += MR, next = 0) tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
+    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
+    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
 }
 
-/* The tiles of int8 and of mixed activations are separate code (mixed a constant): the second
- * plane's pass, compiled into the int8 tiles, cost them up to half their speed. */
-INLINE void panel_rows(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y, int64_t ldy,
-                       const float *bias, const char *next) {
-    if (x->wide) {
-        panel_tiles(x, m, p, bits, k, y, ldy, bias, next, 1);
+/* Mixed activations: the lists of rows 0 .. m - 1 that have each group wide, rows in order
+ * (group g's are rows [start[g], start[g + 1])), and room for the rows' residual sums against
+ * one panel (lo [m][16]). Per thread, reused across calls. */
+typedef struct {
+    int32_t *start, *rows;
+    float *lo;
+} WideRows;
+
+static __thread void *wide_buf;
+static __thread size_t wide_len;
+
+/* .start NULL when out of memory */
+static WideRows wide_rows(const Rows *x, int64_t m, int64_t groups) {
+    const int64_t words = WIDE_WORDS(groups);
+    const size_t lists = ((size_t)(groups + 1 + m * groups) * sizeof(int32_t) + 31) / 32 * 32,
+                 need = lists + (size_t)m * NB * sizeof(float);
+    WideRows w = {0, 0, 0};
+    if (wide_len < need) {
+        free(wide_buf);
+        wide_buf = aligned_alloc(32, need);
+        wide_len = wide_buf ? need : 0;
+    }
+    if (!wide_buf) return w;
+    w.start = wide_buf;
+    w.rows = w.start + groups + 1;
+    w.lo = (float *)((char *)wide_buf + lists);
+    int32_t n = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        w.start[g] = n;
+        for (int64_t r = 0; r < m; r++)
+            if (is_wide(x->wide + r * words, g)) w.rows[n++] = (int32_t)r;
+    }
+    w.start[groups] = n;
+    return w;
+}
+
+/* n (1 .. 3) rows' residual planes of group g against one panel, added to their sums lo [r][16]. */
+INLINE void wide_group(const Rows *x, const int32_t *rows, const int n, const __m256i *qg, int64_t g, __m256 s0,
+                       __m256 s1, const int bits, int64_t k, float *lo) {
+    const int8_t *xl[MR];
+    __m256i t[MR][2];
+    for (int i = 0; i < n; i++) xl[i] = x->lo + rows[i] * k;
+    if (bits == 5) group_dots5(qg, xl, g * GROUP, n, t);
+    else group_dots(qg, xl, g * GROUP, n, bits, t);
+    for (int i = 0; i < n; i++) {
+        float d = x->d[rows[i] * (k / GROUP) + g], *l = lo + rows[i] * NB;
+        _mm256_store_ps(l, lo_step(_mm256_load_ps(l), widen(t[i][0], bits), d, s0));
+        _mm256_store_ps(l + 8, lo_step(_mm256_load_ps(l + 8), widen(t[i][1], bits), d, s1));
+    }
+}
+
+/* Mixed activations, before a panel's int8 tiles: the residual planes of the rows' wide
+ * groups, group by group, the rows wide at a group three at a time whichever tile they are in
+ * (a tile's pass over every group one of its rows had wide cost as much per group as a wide
+ * one: ~34% of a SmolLM2 tile's groups against ~20% of a row's), summed into w->lo [m][16] in
+ * each row's group order, as row_panel sums them; the tiles then store (acc + lo) + bias.
+ * (Done after the tiles it had to read their sums back, and y's rows, a multiple of 4 KiB
+ * apart, share a few cache sets: that alone cost ~15% of a GEMM with no wide group.) */
+INLINE void wide_pass(const Rows *x, const WideRows *w, int64_t m, Panel p, const int bits, int64_t k) {
+    const int64_t groups = k / GROUP;
+    float *lo = w->lo;
+    memset(lo, 0, (size_t)m * NB * sizeof(float));
+    for (int64_t g = 0; g < groups; g++) {
+        const int32_t *rows = w->rows + w->start[g];
+        const int64_t n = w->start[g + 1] - w->start[g];
+        if (!n) continue;
+        const __m256i *qg = p.quads + g * 2 * QUADS;
+        __m256 s0 = _mm256_load_ps(p.sz + g * 2 * NB), s1 = _mm256_load_ps(p.sz + g * 2 * NB + 8);
+        int64_t i = 0;
+        if (bits == 5) /* group_dots5 takes two rows at most (tile5) */
+            for (; i + 2 <= n; i += 2) wide_group(x, rows + i, 2, qg, g, s0, s1, 5, k, lo);
+        else {
+            for (; i + MR <= n; i += MR) wide_group(x, rows + i, MR, qg, g, s0, s1, bits, k, lo);
+            if (n - i == 2) wide_group(x, rows + i, 2, qg, g, s0, s1, bits, k, lo);
+        }
+        if (n - i == 1) wide_group(x, rows + i, 1, qg, g, s0, s1, bits, k, lo);
+    }
+}
+
+/* Rows 0 .. m - 1 of x against one panel; with mixed activations (wide: their lists) also the
+ * wide groups' residual planes. */
+INLINE void panel_rows(const Rows *x, const WideRows *wide, int64_t m, Panel p, const int bits, int64_t k,
+                       float *y, int64_t ldy, const float *bias, const char *next) {
+    if (wide) {
+        wide_pass(x, wide, m, p, bits, k);
+        panel_tiles(x, m, p, bits, k, y, ldy, bias, next, wide->lo);
         return;
     }
     if (x->lo) {
@@ -604,8 +642,15 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
                 const uint16_t *z, int bits, const float *bias, float *y, int64_t ldy) {
     int64_t groups = k / GROUP, qbytes = k * bits * 2;
     int failed = 0;
+    WideRows lists = {0, 0, 0}, *wide = 0; /* mixed activations: this thread's copy */
+    if (x->wide) {
+        lists = wide_rows(x, m, groups);
+        wide = &lists;
+        failed = !lists.start;
+    }
 #pragma omp for schedule(guided) nowait
     for (int64_t nb = 0; nb < n_blocks; nb++) {
+        if (failed) continue;
         Panel p = panel_prepare(q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, bits, k);
         if (!p.quads) {
             failed = 1;
@@ -617,9 +662,9 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
             prefetch_bytes(s + (nb + 1) * groups * NB, groups * NB * 2);
             prefetch_bytes(z + (nb + 1) * groups * NB, groups * NB * 2);
         }
-        if (bits == 4) panel_rows(x, m, p, 4, k, y + nb * NB, ldy, b, next);
-        else if (bits == 5) panel_rows(x, m, p, 5, k, y + nb * NB, ldy, b, next);
-        else panel_rows(x, m, p, 8, k, y + nb * NB, ldy, b, next);
+        if (bits == 4) panel_rows(x, wide, m, p, 4, k, y + nb * NB, ldy, b, next);
+        else if (bits == 5) panel_rows(x, wide, m, p, 5, k, y + nb * NB, ldy, b, next);
+        else panel_rows(x, wide, m, p, 8, k, y + nb * NB, ldy, b, next);
     }
     return failed;
 }
