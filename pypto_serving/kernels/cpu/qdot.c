@@ -114,8 +114,7 @@ INLINE __m256 group_step(__m256 acc, __m256i dot, float d, float sx, __m256 scal
 }
 
 /* Mixed activations: a wide group's residual plane (d: the int8 step), summed apart from the
- * int8 steps (store_tile). A narrow group's residual plane is zeros, so a tile may run this for
- * every row of a group one of its rows has wide: it adds nothing to the others. */
+ * int8 steps (wide_pass, row_panel). */
 INLINE __m256 lo_step(__m256 acc, __m256i lo_dot, float d, __m256 scale) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot), _mm256_mul_ps(_mm256_set1_ps(d / LO_STEPS), scale), acc);
 }
@@ -181,7 +180,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
 /* Mixed activations (planes 3): int8 groups, except the row's groups whose d^2 exceeds
  * WIDE_RATIO times the row's mean d^2 (an outlier's group, whose rounding error dominates the
  * row's), which also get the residual plane: bit g of wide is set. d stays the int8 step (a wide
- * group's residual step is d / LO_STEPS), and a narrow group's residual plane is zeros. On
+ * group's residual step is d / LO_STEPS); a narrow group's residual plane is left unwritten. On
  * SmolLM2 about a fifth of the groups are wide, and the int8 rounding error that is left
  * costs ~1% of top-1 agreement with the exact path instead of ~3% (docs/performance.md). */
 #define WIDE_RATIO 1.0f
@@ -204,12 +203,7 @@ static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, 
         const int is_wide = d[g] * d[g] > limit;
         wide[g >> 6] |= (uint64_t)is_wide << (g & 63);
         int32_t lo_sum = 0, sum = quantize_group(v, amax, xq + g * GROUP, is_wide ? lo + g * GROUP : 0, &lo_sum);
-        if (is_wide) {
-            sx[g] = d[g] / LO_STEPS * (float)(LO_STEPS * sum + lo_sum);
-        } else {
-            memset(lo + g * GROUP, 0, GROUP);
-            sx[g] = d[g] * (float)sum;
-        }
+        sx[g] = is_wide ? d[g] / LO_STEPS * (float)(LO_STEPS * sum + lo_sum) : d[g] * (float)sum;
     }
 }
 
