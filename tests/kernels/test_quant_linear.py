@@ -373,6 +373,30 @@ def test_mixed_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
     assert torch.equal(together[:40], fives)
 
 
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_mixed_activation_rows_each_widen_their_own_groups(bits: int) -> None:
+    """Rows whose outliers sit in different channels, and rows with none: the residual pass
+    takes the rows wide at a group together whichever tiles they are in, and each row still
+    gets its own groups' planes, as the reference computes them and as it gets alone."""
+    from pypto_serving.kernels.cpu.qlinear import quant_linear_cpu_mixed
+
+    m, n, k = 40, 40, 1024
+    packed, _ = pack(weights(n, k, bits), bits)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=gen)
+    for i in range(0, m, 4):  # every fourth row has none
+        cols = torch.randperm(k, generator=gen)[: 1 + i % 5]
+        x[i + 1 : i + 4, cols] += 40 * torch.sign(x[i + 1 : i + 4, cols])  # three rows, not a tile's
+    bias = torch.randn(48)
+    got = quant_linear_cpu_mixed(x, packed, bias)
+    want, wide = mixed_activation_reference(x, packed)
+    assert len({tuple(row.tolist()) for row in wide}) > m // 4  # the rows' wide groups differ
+    torch.testing.assert_close(got, want + bias[:n], rtol=1e-5, atol=5e-4)
+    alone = torch.cat([quant_linear_cpu_mixed(x[i : i + 1], packed, bias) for i in range(m)])
+    assert torch.equal(got, alone)
+
+
 def int16_head_reference(x: torch.Tensor, w) -> torch.Tensor:
     """What qhead.c computes: groups quantized to round(x * 32767 / max|x|), the exact
     integer dot with the int8 levels, scaled by d * scale (int8 panels' zero is 0)."""
