@@ -2,7 +2,7 @@
 checkpoint directories, e.g. a random one of a family's shape from `benchmarks.random_models`).
 
     python -m benchmarks.worker_step [--model PATH|NAME ...] [--batch 1 16] [--steps 64]
-        [--prompt 128] [--quantization auto] [--activation-quantization int8] [--profile]
+        [--prompt 128] [--quantization auto] [--activation-quantization mixed] [--profile]
         [--linears]
 
 Per family, e.g. `--model smollm2 qwen2.5-coder-0.5b gemma3-270m --batch 16 --prompt 512`
@@ -105,7 +105,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens of each sequence")
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
-    p.add_argument("--activation-quantization", default="int8", choices=("none", "int8", "int16", "mixed"))
+    p.add_argument("--activation-quantization", default="mixed", choices=("none", "int8", "int16", "mixed"),
+                   help="the packed linears' inputs (default: mixed, the server's default on the cpu)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--linears", action="store_true", help="time the packed linears alone at batch 1")
     args = p.parse_args()
