@@ -479,6 +479,9 @@ INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_le
     store_tile(mr, y, ldy, bias, acc, lo);
 }
 
+/* Mixed activations: the residual sums of rows from m0 on (wide_pass), or NULL without them. */
+INLINE const float *sums_at(const float *lo, int64_t m0) { return lo ? lo + m0 * NB : 0; }
+
 /* Rows 0 .. m - 1 of x against one panel, in tiles of MR rows and a last one of 1 or 2 (each
  * size a constant, so each tile keeps its registers); the first tile prefetches `next` (the
  * following panel's levels, or NULL). */
@@ -487,13 +490,14 @@ INLINE void panel_tiles(const Rows *x, int64_t m, Panel p, const int bits, int64
                         const float *bias, const char *next, const float *lo) {
     int64_t m0 = 0;
     if (bits == 5) {
-        for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
-        if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
+        for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
         return;
     }
-    for (; m0 + MR <= m; m0 += MR, next = 0) tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
-    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
-    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next, lo ? lo + m0 * NB : 0);
+    for (; m0 + MR <= m; m0 += MR, next = 0)
+        tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
 }
 
 /* Mixed activations: the lists of rows 0 .. m - 1 that have each group wide, rows in order
