@@ -24,7 +24,7 @@ import torch
 
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.cpu.decoder import MAX_HEAD_DIM
-from pypto_serving.kernels.cpu.qlinear import ACTIVATION_PLANES  # the C stack's int8_act
+from pypto_serving.kernels.cpu.qlinear import ACTIVATION_PLANES  # each layer's planes
 from pypto_serving.kernels.quant_linear import PANEL
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
@@ -45,7 +45,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
                 ("pre_ff_norm", _P), ("post_ff_norm", _P), ("qkv", _QLinear), ("o", _QLinear),
                 ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", _P), ("v_cache", _P),
-                ("window", _I)]
+                ("window", _I), ("planes", _I)]
 
 
 class _Chunk(ctypes.Structure):
@@ -59,7 +59,7 @@ class _StepRows(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("intermediate", _I), ("kv_half", _I), ("gemma", _I), ("int8_act", _I),
+                ("intermediate", _I), ("kv_half", _I), ("gemma", _I),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _P)]
 
 
@@ -141,7 +141,7 @@ def _layer(layer: torch.nn.Module, kv: KVCache, gemma: bool) -> _Layer:
     return _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                   *_qk_norms(attn), *ff_norms, _qlinear(attn.qkv_proj), _qlinear(attn.o_proj),
                   _qlinear(mlp.gate_up_proj), _qlinear(mlp.down_proj), kv[0].data_ptr(), kv[1].data_ptr(),
-                  window)
+                  window, ACTIVATION_PLANES[attn.qkv_proj.kernels.activations])
 
 
 def _fills_panels(m: torch.nn.Module) -> bool:
@@ -159,10 +159,9 @@ class DecoderStack:
         layers = model.model.layers
         self._gemma = isinstance(model, Gemma3ForCausalLM)
         self._kv_half = kv_caches[0][0].dtype == torch.float16
-        planes = ACTIVATION_PLANES[layers[0].self_attn.qkv_proj.kernels.activations]
         self._shape = _Shape(arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
                              arch.head_dim, arch.intermediate_size, int(self._kv_half), int(self._gemma),
-                             planes, layers[0].input_layernorm.eps, layers[0].self_attn.scale,
+                             layers[0].input_layernorm.eps, layers[0].self_attn.scale,
                              model.model.norm.weight.data_ptr())
         self._layers = (_Layer * len(layers))(*(
             _layer(layer, kv, self._gemma) for layer, kv in zip(layers, kv_caches, strict=True)))
@@ -178,9 +177,9 @@ class DecoderStack:
         arch = model.arch
         if arch.num_experts:  # stack.c knows dense MLPs only
             return None
-        linears = [m for layer in model.model.layers
-                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        layer_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                          layer.mlp.down_proj) for layer in model.model.layers]
+        linears = [m for four in layer_linears for m in four]
         fits = (
             isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM))  # the layers stack.c runs
             and cpu.available() and model.rope.dtype == torch.float32
@@ -188,7 +187,7 @@ class DecoderStack:
             and arch.hidden_size % 8 == 0 and arch.intermediate_size % 8 == 0
             and isinstance(model.model.embed_tokens, QuantEmbedding)
             and all(_fills_panels(m) for m in linears)
-            and len({m.kernels.activations for m in linears}) == 1
+            and all(len({m.kernels.activations for m in four}) == 1 for four in layer_linears)
             and all(k.dtype == v.dtype and k.dtype in (torch.float16, torch.float32)
                     and k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         )

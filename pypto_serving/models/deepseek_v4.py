@@ -485,7 +485,8 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = make.embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, make) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, make.for_layer(i, arch.num_layers))
+                                    for i in range(arch.num_layers))
         self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_head = HyperHead(arch)
 

@@ -79,7 +79,8 @@ class Gemma3Model(nn.Module):
     def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = make.embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i, make, tp) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i, make.for_layer(i, arch.num_layers), tp)
+                                    for i in range(arch.num_layers))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, make.decoder_ops())
 
 

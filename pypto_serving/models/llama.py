@@ -120,7 +120,8 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, make: LayerFactory, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = make.embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, make, tp, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, make.for_layer(i, arch.num_layers), tp, i)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, make.decoder_ops())
 
 

@@ -21,7 +21,7 @@ not depend on its batch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -163,6 +163,11 @@ class LayerFactory:
     quantization: str = "none"
     kernels: QuantKernels = PORTABLE_KERNELS
     ops: DecoderOps = PORTABLE
+    # The last decoder layer's linears' kernels, where they differ (None: `kernels`). Its
+    # rounding errors reach the logits through no later layer, and it is the layer whose
+    # activations' rounding moves them most (backends/cpu.py gives it int16 activations
+    # under mixed ones; docs/performance.md, "Accuracy of the fast path").
+    last_layer: QuantKernels | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -174,6 +179,12 @@ class LayerFactory:
             return nn.Linear(in_features, out_features, bias=bias)
         bits = {"int8": 8, "int4": 4, "auto": None}[self.quantization]
         return QuantLinear(in_features, out_features, bias, 8 if head else bits, self.kernels, head)
+
+    def for_layer(self, index: int, layers: int) -> LayerFactory:
+        """The factory of decoder layer `index` of `layers`."""
+        if self.last_layer is None or index != layers - 1:
+            return self
+        return replace(self, kernels=self.last_layer, last_layer=None)
 
     def decoder_ops(self) -> DecoderOps:
         return self.ops

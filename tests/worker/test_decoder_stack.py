@@ -105,3 +105,15 @@ def test_decode_rows_of_mixed_steps_equal_decode_only_steps(driver, activations:
                 seqs.insert(step % 2, d.add(1 + step, PROMPTS[2], 5))
             out.append(d.step(seqs)[1][0])  # the chunk samples nothing
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_mixed_activations_give_the_last_layer_int16_in_both_paths(driver) -> None:
+    """The last layer's linears take int16 activations under the mixed default, the others
+    mixed ones, and the stack runs each layer's with its own (the bit-for-bit test above then
+    covers both kinds in one step)."""
+    d, _ = driver("llama", quantization="int4", activation_quantization="mixed")
+    layers = d.runner.model.model.layers
+    kinds = [{m.kernels.activations for m in layer.modules() if isinstance(m, QuantLinear)} for layer in layers]
+    assert len(layers) > 1
+    assert kinds == [{"mixed"}] * (len(layers) - 1) + [{"int16"}]
+    assert [layer.planes for layer in d.runner.stack._layers] == [3] * (len(layers) - 1) + [2]

@@ -53,12 +53,14 @@ typedef struct {
     void *k_cache, *v_cache;
     int64_t window; /* keys a row sees (a sliding-window layer: its rotary is the step's second
                        cos/sin table, as Gemma 3's), or 0: all */
+    int64_t planes; /* what its linears quantize their inputs to: 0 nothing, else qdot.c's planes (1
+                       int8, 2 two int8 planes, 3 mixed); layers need not agree (under mixed
+                       activations the last layer's take two planes) */
 } Layer;
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, kv_half;
     int64_t gemma; /* Gemma 3's layer: (1 + w) norms, post-norms added to the residual, GeGLU */
-    int64_t int8_act; /* the linears quantize their inputs: 0 no, 1 to int8, 2 to two int8 planes, 3 mixed (qdot.c) */
     float eps, scale;
     const float *final_norm;
 } Shape;
@@ -97,14 +99,14 @@ int64_t stack_layout(int64_t *out, int64_t cap) {
         sizeof(Layer), FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm),
         FIELD(Layer, k_norm), FIELD(Layer, pre_ff_norm), FIELD(Layer, post_ff_norm), FIELD(Layer, qkv),
         FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down), FIELD(Layer, k_cache), FIELD(Layer, v_cache),
-        FIELD(Layer, window), -1,
+        FIELD(Layer, window), FIELD(Layer, planes), -1,
         sizeof(Chunk), FIELD(Chunk, start), FIELD(Chunk, n), FIELD(Chunk, ctx_slots), FIELD(Chunk, n_ctx), -1,
         sizeof(StepRows), FIELD(StepRows, t), FIELD(StepRows, slots), FIELD(StepRows, n_decode),
         FIELD(StepRows, decode_rows), FIELD(StepRows, ctx_slots), FIELD(StepRows, lens),
         FIELD(StepRows, max_len), FIELD(StepRows, n_chunks), FIELD(StepRows, chunks), -1,
         sizeof(Shape), FIELD(Shape, layers), FIELD(Shape, hidden), FIELD(Shape, heads),
         FIELD(Shape, kv_heads), FIELD(Shape, head_dim), FIELD(Shape, intermediate), FIELD(Shape, kv_half),
-        FIELD(Shape, gemma), FIELD(Shape, int8_act), FIELD(Shape, eps), FIELD(Shape, scale), FIELD(Shape, final_norm), -1,
+        FIELD(Shape, gemma), FIELD(Shape, eps), FIELD(Shape, scale), FIELD(Shape, final_norm), -1,
     };
     int64_t n = (int64_t)(sizeof layout / sizeof layout[0]);
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = layout[i];
@@ -113,9 +115,9 @@ int64_t stack_layout(int64_t *out, int64_t cap) {
 #undef FIELD
 
 /* Returns nonzero when out of memory. */
-static int64_t linear(const Shape *sh, const QLinear *w, const float *x, int64_t t, float *y) {
-    if (sh->int8_act) return qlinear_q8(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y,
-                                        sh->int8_act);
+static int64_t linear(const Layer *L, const QLinear *w, const float *x, int64_t t, float *y) {
+    if (L->planes) return qlinear_q8(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y,
+                                     L->planes);
     qlinear(x, t, w->k, w->n_blocks, w->q, w->scale, w->zero, w->bits, w->bias, y);
     return 0;
 }
@@ -163,15 +165,15 @@ static int64_t llama_layer(const Shape *sh, const Layer *L, int64_t l, const Ste
                            const float *cos, const float *sin, int64_t ld_cs, const Scratch *s) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
     add_rms_norm(l ? s->proj : NULL, residual, L->input_norm, sh->eps, t, hidden, s->normed);
-    if (linear(sh, &L->qkv, s->normed, t, s->qkv)) return -1;
+    if (linear(L, &L->qkv, s->normed, t, s->qkv)) return -1;
     if (L->q_norm) qk_norm(s->qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
     rope_write_kv(s->qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
                   sh->kv_half);
-    if (attend(sh, L, r, s->qkv, width, &s->ds, s->attn) || linear(sh, &L->o, s->attn, t, s->proj)) return -1;
+    if (attend(sh, L, r, s->qkv, width, &s->ds, s->attn) || linear(L, &L->o, s->attn, t, s->proj)) return -1;
     add_rms_norm(s->proj, residual, L->post_norm, sh->eps, t, hidden, s->normed);
-    if (linear(sh, &L->gate_up, s->normed, t, s->gate_up)) return -1;
+    if (linear(L, &L->gate_up, s->normed, t, s->gate_up)) return -1;
     silu_and_mul(s->gate_up, t, sh->intermediate, s->act);
-    return linear(sh, &L->down, s->act, t, s->proj);
+    return linear(L, &L->down, s->act, t, s->proj);
 }
 
 /* Gemma 3's layer: each block's output is normed before it joins the residual, and the MLP
@@ -180,16 +182,16 @@ static int64_t gemma_layer(const Shape *sh, const Layer *L, const StepRows *r, f
                            const float *sin, int64_t ld_cs, const Scratch *s) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
     gemma_rms_norm(residual, NULL, L->input_norm, sh->eps, t, hidden, s->normed);
-    if (linear(sh, &L->qkv, s->normed, t, s->qkv)) return -1;
+    if (linear(L, &L->qkv, s->normed, t, s->qkv)) return -1;
     gemma_qk_norm(s->qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
     rope_write_kv(s->qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
                   sh->kv_half);
-    if (attend(sh, L, r, s->qkv, width, &s->ds, s->attn) || linear(sh, &L->o, s->attn, t, s->proj)) return -1;
+    if (attend(sh, L, r, s->qkv, width, &s->ds, s->attn) || linear(L, &L->o, s->attn, t, s->proj)) return -1;
     gemma_rms_norm(s->proj, residual, L->post_norm, sh->eps, t, hidden, residual);
     gemma_rms_norm(residual, NULL, L->pre_ff_norm, sh->eps, t, hidden, s->normed);
-    if (linear(sh, &L->gate_up, s->normed, t, s->gate_up)) return -1;
+    if (linear(L, &L->gate_up, s->normed, t, s->gate_up)) return -1;
     gelu_tanh_and_mul(s->gate_up, t, sh->intermediate, s->act);
-    if (linear(sh, &L->down, s->act, t, s->proj)) return -1;
+    if (linear(L, &L->down, s->act, t, s->proj)) return -1;
     gemma_rms_norm(s->proj, residual, L->post_ff_norm, sh->eps, t, hidden, residual);
     return 0;
 }
