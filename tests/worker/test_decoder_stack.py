@@ -113,7 +113,8 @@ def test_mixed_activations_give_the_last_layer_int16_in_both_paths(driver) -> No
     covers both kinds in one step)."""
     d, _ = driver("llama", quantization="int4", activation_quantization="mixed")
     layers = d.runner.model.model.layers
-    kinds = [{m.kernels.activations for m in layer.modules() if isinstance(m, QuantLinear)} for layer in layers]
+    kinds = [{m.kernels.activations for m in layer.modules() if isinstance(m, QuantLinear)}
+             for layer in layers]
     assert len(layers) > 1
     assert kinds == [{"mixed"}] * (len(layers) - 1) + [{"int16"}]
     assert [layer.planes for layer in d.runner.stack._layers] == [3] * (len(layers) - 1) + [2]

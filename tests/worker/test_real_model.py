@@ -125,7 +125,8 @@ class Scored:
     def deviation(self, exact: Scored) -> float:
         """Mean |logprob - the exact path's| of the true tokens: it moves with every error,
         where top-1 agreement moves only when two candidates swap places."""
-        return sum(abs(a - e) for a, e in zip(self.logprobs, exact.logprobs, strict=True)) / len(self.logprobs)
+        pairs = zip(self.logprobs, exact.logprobs, strict=True)
+        return sum(abs(a - e) for a, e in pairs) / len(self.logprobs)
 
     def disagreements_beyond_ties(self, exact: Scored, tie: float) -> list[int]:
         """Positions whose top token differs from the exact path's where the exact path's top
