@@ -311,12 +311,12 @@ def test_int16_activation_rows_do_not_depend_on_the_batch(bits: int) -> None:
 
 def mixed_activation_reference(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
     """What qdot.c computes with mixed activations: each group quantized as the int8
-    reference's, except a row's wide groups, whose d^2 exceeds half the row's mean d^2, which
+    reference's, except a row's wide groups, whose d^2 exceeds the row's mean d^2, which
     are (254 * hi + lo) * d / 254 as with two planes. Returns the product and the wide
     groups [m, k / 32]."""
     d, hi, lo = two_planes(x)
     d2 = d.squeeze(-1).double() ** 2
-    wide = d2 > 0.5 * d2.mean(-1, keepdim=True)
+    wide = d2 > d2.mean(-1, keepdim=True)
     return times_weights(torch.where(wide[..., None], (254 * hi + lo) * (d / 254), hi * d), w), wide
 
 

@@ -55,7 +55,7 @@ def quant_linear_cpu_q16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
 def quant_linear_cpu_mixed(x: torch.Tensor, w: PackedWeight,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """As `quant_linear_cpu_q8`, with the second plane of `quant_linear_cpu_q16` for the groups
-    of a row whose int8 step is an outlier's (d^2 above half the row's mean d^2): those groups'
+    of a row whose int8 step is an outlier's (d^2 above the row's mean d^2): those groups'
     rounding errors, which dominate the row's, shrink 254 times, at the cost of one more pass
     over those groups only."""
     return _linear(ACTIVATION_PLANES["mixed"], x, w, bias)
