@@ -5,7 +5,8 @@
 
 Both modes score the same windows of text (prose and code from this repository) with prompt
 logprobs, and print, per path, top-1 agreement with the exact path (the most likely token at
-a position is the same) and perplexity (and its excess over the exact path's) as JSON.
+a position is the same), perplexity (and its excess over the exact path's) and the true
+tokens' mean |logprob - the exact path's| as JSON.
 
 In process (the default), the device worker's own `ModelRunner` runs twice, configured as
 the server configures it: the exact path (`--quantization none --activation-quantization
@@ -67,7 +68,9 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
 
 
 def compare(scores: dict[str, Scores], exact: str = "exact") -> dict:
-    """Agreement and perplexity of every path against `exact`'s, over the same positions."""
+    """Agreement, perplexity and logprob deviation (mean |logprob - `exact`'s| of the true
+    tokens: it moves with every error, where agreement moves only when two candidates swap
+    places) of every path against `exact`'s, over the same positions."""
     base = scores[exact]
     out = {"positions": len(base.top1), "paths": {}}
     for name, s in scores.items():
@@ -77,8 +80,11 @@ def compare(scores: dict[str, Scores], exact: str = "exact") -> dict:
         base_ppl = math.exp(-sum(e for lp, e in zip(s.logprobs, base.logprobs, strict=True)
                                  if lp is not None) / len(same))
         agree = sum(a == b for a, b in zip(s.top1, base.top1, strict=True)) / len(base.top1)
+        deviation = sum(abs(lp - e) for lp, e in zip(s.logprobs, base.logprobs, strict=True)
+                        if lp is not None) / len(same)
         out["paths"][name] = {"top1_agreement": round(agree, 5), "perplexity": round(ppl, 4),
                               "perplexity_excess": round(ppl / base_ppl - 1, 5),
+                              "logprob_deviation": round(deviation, 5),
                               "unscored": len(s.logprobs) - len(known)}
     return out
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
+from benchmarks.quality import Scores, compare
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels import cpu
 from pypto_serving.loader.gguf_file import arch_from_gguf
@@ -110,31 +109,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 '''
 
 
-@dataclass(frozen=True, slots=True)
-class Scored:
-    """Teacher-forced over a text: per position the true next token's logprob and the most
-    likely next token."""
-
-    logprobs: list[float]
-    top1: list[int]
-
-    def agreement(self, exact: Scored) -> float:
-        """The share of positions whose most likely next token is the exact path's."""
-        return sum(a == e for a, e in zip(self.top1, exact.top1, strict=True)) / len(exact.top1)
-
-    def deviation(self, exact: Scored) -> float:
-        """Mean |logprob - the exact path's| of the true tokens: it moves with every error,
-        where top-1 agreement moves only when two candidates swap places."""
-        pairs = zip(self.logprobs, exact.logprobs, strict=True)
-        return sum(abs(a - e) for a, e in pairs) / len(self.logprobs)
-
-
-def score(path: str, ids: list[int], quantization: str = "none", activations: str = "none") -> Scored:
+def score(path: str, ids: list[int], quantization: str = "none", activations: str = "none") -> Scores:
     runner = make_runner(path, quantization, activations)
     blocks = list(range(-(-len(ids) // 2)))
     seq = ScheduledSeq(1, ids, 0, blocks, True, True, [], len(ids), SamplingParams(prompt_logprobs=1))
     [scored] = runner.execute(StepPlan(0, [seq])).prompt_logprobs
-    return Scored(scored.logprobs, [top[0].token_id for top in scored.top])
+    return Scores(scored.logprobs, [top[0].token_id for top in scored.top])
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
@@ -147,11 +127,12 @@ def test_fast_paths_agree_with_the_exact_path_on_a_fixed_text(smollm2_gguf: str,
     GGUF agrees at 96.2%), 0.061 from the exact path's logprobs."""
     ids = smollm2_tokenizer.encode(FIXED_TEXT, add_special_tokens=False)[:63]
     assert len(ids) == 63
-    exact = score(smollm2_gguf, ids)
-    int16, mixed, int8 = (score(smollm2_gguf, ids, "auto", a) for a in ("int16", "mixed", "int8"))
-    assert int16.agreement(exact) >= 0.99
-    assert mixed.agreement(exact) >= 0.97
-    assert int8.agreement(exact) >= 0.94
-    assert int16.deviation(exact) < 0.005
-    assert mixed.deviation(exact) < 0.024
-    assert int8.deviation(exact) > 2 * mixed.deviation(exact)
+    scores = {"exact": score(smollm2_gguf, ids)}
+    scores |= {a: score(smollm2_gguf, ids, "auto", a) for a in ("int16", "mixed", "int8")}
+    int16, mixed, int8 = (compare(scores)["paths"][a] for a in ("int16", "mixed", "int8"))
+    assert int16["top1_agreement"] >= 0.99
+    assert mixed["top1_agreement"] >= 0.97
+    assert int8["top1_agreement"] >= 0.94
+    assert int16["logprob_deviation"] < 0.005
+    assert mixed["logprob_deviation"] < 0.024
+    assert int8["logprob_deviation"] > 2 * mixed["logprob_deviation"]
