@@ -181,10 +181,10 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
  * WIDE_RATIO times the row's mean d^2 (an outlier's group, whose rounding error dominates the
  * row's), which also get the residual plane: bit g of wide is set. d stays the int8 step (a wide
  * group's residual step is d / LO_STEPS); a narrow group's residual plane is left unwritten. On
- * SmolLM2 about a fifth of the groups are wide, and with the last layer at int16 (backends/cpu.py)
- * the rounding error that is left costs ~1% of top-1 agreement with the exact path instead of ~3%
- * at int8. At 0.5 (two fifths wide) it costs ~0.8%, for ~10% more prefill on SmolLM2 and ~30%
- * less batched throughput on Qwen2.5-Coder-0.5B (docs/performance.md). */
+ * SmolLM2 about a fifth of the groups are wide, and with the first and last layers at int16
+ * (backends/cpu.py) the rounding error that is left costs ~1% of top-1 agreement with the exact
+ * path instead of ~3% at int8. At 0.5 (two fifths wide) it costs ~0.8%, for ~10% more prefill
+ * on SmolLM2 and ~30% less batched throughput on Qwen2.5-Coder-0.5B (docs/performance.md). */
 #define WIDE_RATIO 1.0f
 #define WIDE_WORDS(groups) (((groups) + 63) / 64) /* a row's wide groups: one bit each */
 INLINE int is_wide(const uint64_t *wide, int64_t g) { return (int)((wide[g >> 6] >> (g & 63)) & 1); }
@@ -195,13 +195,15 @@ static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, 
     float sum_d2 = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         __m256 v[4];
-        d[g] = group_max(x + g * GROUP, v) / 127.0f;
+        sx[g] = group_max(x + g * GROUP, v); /* the group's max until its sum replaces it below */
+        d[g] = sx[g] / 127.0f;
         sum_d2 += d[g] * d[g];
     }
     const float limit = WIDE_RATIO * sum_d2 / (float)groups;
     for (int64_t g = 0; g < groups; g++) {
         __m256 v[4];
-        float amax = group_max(x + g * GROUP, v);
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + g * GROUP + i * 8);
+        const float amax = sx[g];
         const int is_wide = d[g] * d[g] > limit;
         wide[g >> 6] |= (uint64_t)is_wide << (g & 63);
         int32_t lo_sum = 0, sum = quantize_group(v, amax, xq + g * GROUP, is_wide ? lo + g * GROUP : 0, &lo_sum);
