@@ -3,10 +3,10 @@
     python -m benchmarks.quality [--model smollm2] [--tokens 2048] [--window 512]
     python -m benchmarks.quality --api [--servers mixed,int8,int16,llama]
 
-Both modes score the same windows of text (prose and code from this repository) with prompt
-logprobs, and print, per path, top-1 agreement with the exact path (the most likely token at
-a position is the same), perplexity (and its excess over the exact path's) and the true
-tokens' mean |logprob - the exact path's| as JSON.
+Both modes score the same windows of text (prose and code from this repository, frozen in
+quality_corpus.txt) with prompt logprobs, and print, per path, top-1 agreement with the exact
+path (the most likely token at a position is the same), perplexity (and its excess over the
+exact path's) and the true tokens' mean |logprob - the exact path's| as JSON.
 
 In process (the default), the device worker's own `ModelRunner` runs twice, configured as
 the server configures it: the exact path (`--quantization none --activation-quantization
@@ -42,7 +42,6 @@ from pypto_serving.messages.worker import ScheduledSeq, StepPlan
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 from pypto_serving.worker.model_runner import ModelRunner
 
-ROOT = Path(__file__).resolve().parent.parent
 OUR_FLAGS = {"exact": ["--quantization", "none", "--activation-quantization", "none"],
              "mixed": [], "int8": ["--activation-quantization", "int8"],
              "int16": ["--activation-quantization", "int16"]}
@@ -56,11 +55,14 @@ class Scores:
     top1: list[int]
 
 
+CORPUS = Path(__file__).with_name("quality_corpus.txt")
+
+
 def corpus() -> str:
-    """Prose and code, as a server sees both."""
-    parts = [(ROOT / "README.md").read_text(), (ROOT / "docs" / "architecture.md").read_text()]
-    parts += [p.read_text() for p in sorted((ROOT / "pypto_serving" / "core").glob("*.py"))]
-    return "\n\n".join(parts)
+    """Prose and code, as a server sees both: this repository's README, docs/architecture.md
+    and core/*.py as they stood on 2026-12-03 (2dfea95), their first 48 KiB (~14,000 SmolLM2
+    tokens). Frozen: read from the live files, the figures moved with every README edit."""
+    return CORPUS.read_text()
 
 
 def windows(ids: list[int], window: int) -> list[list[int]]:
@@ -177,6 +179,8 @@ def main() -> None:
         p.error(f"--window must be in 2..{MAX_LEN}")
     path = str(resolve_short_name(args.model) or args.model)
     ids = Tokenizer.load(path).encode(corpus(), add_special_tokens=False)[: args.tokens + 1]
+    if len(ids) <= args.tokens:
+        p.error(f"--tokens: the corpus has {len(ids) - 1} positions for this tokenizer")
     if args.api:
         names = [n for n in args.servers.split(",") if n != "exact"]
         result = measure_api(path, windows(ids, args.window), names, args.llama_probs)

@@ -52,12 +52,13 @@ SIGNATURES = {
     "argmax_rows": [_P, _I, _I, _I, _P],
     "stack_layout": [_P, _I],
     "moe_experts": [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P],
+    "qdot_use_vnni": [_I],
 }
 
 
 # a status (0, or -1 when out of memory) or a size
 RETURNS_INT = {"step_stack", "qlinear_q8", "qlinear_a16", "prefill_attention", "decode_scores_len",
-               "stack_layout", "moe_experts"}
+               "stack_layout", "moe_experts", "qdot_use_vnni"}
 # the end of the compiler's output kept in the warning: where its last (often fatal) error is
 STDERR_CHARS = 4000
 
@@ -143,7 +144,14 @@ def library() -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int64 if name in RETURNS_INT else None
+    lib.qdot_use_vnni(1)
     return lib
+
+
+def vnni() -> bool:
+    """Whether the int8-activation matmuls run AVX-512 VNNI tiles (qdot.c) on this CPU."""
+    lib = library()
+    return lib is not None and bool(lib.qdot_use_vnni(-1))
 
 
 def available() -> bool:

@@ -486,6 +486,168 @@ INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_le
 /* Mixed activations: the residual sums of rows from m0 on (wide_pass), or NULL without them. */
 INLINE const float *sums_at(const float *lo, int64_t m0) { return lo ? lo + m0 * NB : 0; }
 
+/* ---- AVX-512 VNNI ----
+ * Where the CPU has it (Zen 4 and 5, Intel since Ice Lake; qdot_use_vnni), int4 and int8 panels
+ * take tile_vnni instead of tile: vpdpbusd on 512-bit registers multiplies one quad's 64 levels
+ * (all 16 rows of the panel) by a row's 4 inputs broadcast and adds each row's four products to
+ * its int32 sum, in one instruction where AVX2 takes two vpmaddubsw, their adds and the widening
+ * per 16 rows. The integer sums are the same and so is the epilogue, lane by lane (one fma for
+ * the scale, one for the zero, in group order), so the results equal tile's bit for bit. int8
+ * levels are signed: their magnitudes (unsigned) meet the inputs negated where a level is
+ * negative, as vpsignb does in quad_dot. */
+#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
+#define VNNI_INLINE static inline __attribute__((always_inline, target(VNNI_TARGET)))
+#define MR_VNNI 8 /* rows per tile: 8 sums and 8 accumulators of the 32 registers */
+static int use_vnni;
+
+/* Turns the VNNI tiles on (1, where the CPU has them) or off (0), or leaves them (-1); returns
+ * whether they are on. The library's loader turns them on; tests turn them off to compare. */
+int64_t qdot_use_vnni(int64_t on) {
+    if (on < 0) return use_vnni;
+    __builtin_cpu_init();
+    use_vnni = on && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return use_vnni;
+}
+
+VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
+                           int64_t ldy, const float *bias, const char *next, const float *lo) {
+    const int64_t groups = k_len / GROUP;
+    const int8_t *xr[MR_VNNI];
+    __m512 acc[MR_VNNI];
+    for (int r = 0; r < mr; r++) {
+        xr[r] = x->q + (m0 + r) * k_len;
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512i *qg = (const __m512i *)(p.quads + g * 2 * QUADS);
+        __m512i t[MR_VNNI];
+        for (int r = 0; r < mr; r++) t[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            __m512i w = _mm512_loadu_si512(qg + j);
+            __mmask64 negative = 0;
+            if (bits == 8) {
+                negative = _mm512_movepi8_mask(w);
+                w = _mm512_abs_epi8(w); /* -128 becomes 128, unsigned: right */
+            }
+            for (int r = 0; r < mr; r++) {
+                int32_t v;
+                memcpy(&v, xr[r] + g * GROUP + 4 * j, 4);
+                __m512i xv = _mm512_set1_epi32(v);
+                if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+                t[r] = _mm512_dpbusd_epi32(t[r], w, xv);
+            }
+        }
+        prefetch_group(next, g, bits);
+        const float *sz = p.sz + g * 2 * NB;
+        const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
+        for (int r = 0; r < mr; r++) {
+            int64_t i = (m0 + r) * groups + g;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r]), _mm512_mul_ps(_mm512_set1_ps(x->d[i]), scale), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->sx[i]), zero, acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) { /* as store_tile: (acc + lo) + bias */
+        __m512 v = lo ? _mm512_add_ps(acc[r], _mm512_loadu_ps(lo + r * NB)) : acc[r];
+        _mm512_storeu_ps(y + r * ldy, bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias)) : v);
+    }
+}
+
+VNNI_INLINE void panel_tiles_vnni_bits(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y,
+                                       int64_t ldy, const float *bias, const char *next, const float *lo) {
+    int64_t m0 = 0;
+    for (; m0 + MR_VNNI <= m; m0 += MR_VNNI, next = 0)
+        tile_vnni(x, m0, MR_VNNI, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+    if (m - m0 >= 4) {
+        tile_vnni(x, m0, 4, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        m0 += 4, next = 0;
+    }
+    if (m - m0 >= 2) {
+        tile_vnni(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        m0 += 2, next = 0;
+    }
+    if (m0 < m) tile_vnni(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+}
+
+/* Panels of any width (bits: int5's levels are unpacked into quads of bytes as int4's are) */
+__attribute__((noinline, target(VNNI_TARGET))) static void panel_tiles_vnni(const Rows *x, int64_t m, Panel p,
+                                                                            int bits, int64_t k, float *y,
+                                                                            int64_t ldy, const float *bias,
+                                                                            const char *next, const float *lo) {
+    if (bits == 4) panel_tiles_vnni_bits(x, m, p, 4, k, y, ldy, bias, next, lo);
+    else if (bits == 5) panel_tiles_vnni_bits(x, m, p, 5, k, y, ldy, bias, next, lo);
+    else panel_tiles_vnni_bits(x, m, p, 8, k, y, ldy, bias, next, lo);
+}
+
+/* As tile2 (int16 activations: two planes per row), with VNNI tiles. */
+VNNI_INLINE void tile2_vnni(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len,
+                            float *y, int64_t ldy, const float *bias, const char *next) {
+    const int64_t groups = k_len / GROUP;
+    const int8_t *xr[MR_VNNI], *xl[MR_VNNI];
+    __m512 acc[MR_VNNI];
+    for (int r = 0; r < mr; r++) {
+        xr[r] = x->q + (m0 + r) * k_len;
+        xl[r] = x->lo + (m0 + r) * k_len;
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512i *qg = (const __m512i *)(p.quads + g * 2 * QUADS);
+        __m512i t[MR_VNNI], l[MR_VNNI];
+        for (int r = 0; r < mr; r++) t[r] = l[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            __m512i w = _mm512_loadu_si512(qg + j);
+            __mmask64 negative = 0;
+            if (bits == 8) {
+                negative = _mm512_movepi8_mask(w);
+                w = _mm512_abs_epi8(w);
+            }
+            for (int r = 0; r < mr; r++) {
+                int32_t v, u;
+                memcpy(&v, xr[r] + g * GROUP + 4 * j, 4);
+                memcpy(&u, xl[r] + g * GROUP + 4 * j, 4);
+                __m512i xv = _mm512_set1_epi32(v), lv = _mm512_set1_epi32(u);
+                if (bits == 8) {
+                    xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+                    lv = _mm512_mask_sub_epi8(lv, negative, _mm512_setzero_si512(), lv);
+                }
+                t[r] = _mm512_dpbusd_epi32(t[r], w, xv);
+                l[r] = _mm512_dpbusd_epi32(l[r], w, lv);
+            }
+        }
+        prefetch_group(next, g, bits);
+        const float *sz = p.sz + g * 2 * NB;
+        const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
+        for (int r = 0; r < mr; r++) {
+            int64_t i = (m0 + r) * groups + g;
+            __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(t[r], _mm512_set1_epi32(LO_STEPS)), l[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(x->d[i]), scale), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->sx[i]), zero, acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        _mm512_storeu_ps(y + r * ldy, bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(bias)) : acc[r]);
+}
+
+VNNI_INLINE void panel_tiles2_vnni_bits(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y,
+                                        int64_t ldy, const float *bias, const char *next) {
+    int64_t m0 = 0;
+    for (; m0 + MR_VNNI <= m; m0 += MR_VNNI, next = 0) tile2_vnni(x, m0, MR_VNNI, p, bits, k, y + m0 * ldy, ldy, bias, next);
+    if (m - m0 >= 4) tile2_vnni(x, m0, 4, p, bits, k, y + m0 * ldy, ldy, bias, next), m0 += 4, next = 0;
+    if (m - m0 >= 2) tile2_vnni(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next), m0 += 2, next = 0;
+    if (m0 < m) tile2_vnni(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
+}
+
+__attribute__((noinline, target(VNNI_TARGET))) static void panel_tiles2_vnni(const Rows *x, int64_t m, Panel p,
+                                                                             int bits, int64_t k, float *y,
+                                                                             int64_t ldy, const float *bias,
+                                                                             const char *next) {
+    if (bits == 4) panel_tiles2_vnni_bits(x, m, p, 4, k, y, ldy, bias, next);
+    else if (bits == 5) panel_tiles2_vnni_bits(x, m, p, 5, k, y, ldy, bias, next);
+    else panel_tiles2_vnni_bits(x, m, p, 8, k, y, ldy, bias, next);
+}
+
 /* Rows 0 .. m - 1 of x against one panel, in tiles of MR rows and a last one of 1 or 2 (each
  * size a constant, so each tile keeps its registers); the first tile prefetches `next` (the
  * following panel's levels, or NULL). */
@@ -493,6 +655,10 @@ _Static_assert(MR == 3, "panel_rows tiles the last 1 or 2 rows");
 INLINE void panel_tiles(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y, int64_t ldy,
                         const float *bias, const char *next, const float *lo) {
     int64_t m0 = 0;
+    if (use_vnni) {
+        panel_tiles_vnni(x, m, p, bits, k, y, ldy, bias, next, lo);
+        return;
+    }
     if (bits == 5) {
         for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
         if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
@@ -583,13 +749,73 @@ INLINE void wide_pass(const Rows *x, const WideRows *w, int64_t m, Panel p, cons
     }
 }
 
+/* As wide_group, with VNNI tiles (n rows: 1 .. MR_VNNI). */
+VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const int n, const __m512i *qg, int64_t g,
+                                 __m512 scale, const int bits, int64_t k, float *lo) {
+    __m512i t[MR_VNNI];
+    for (int i = 0; i < n; i++) t[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < QUADS; j++) {
+        __m512i w = _mm512_loadu_si512(qg + j);
+        __mmask64 negative = 0;
+        if (bits == 8) {
+            negative = _mm512_movepi8_mask(w);
+            w = _mm512_abs_epi8(w);
+        }
+        for (int i = 0; i < n; i++) {
+            int32_t v;
+            memcpy(&v, x->lo + rows[i] * k + g * GROUP + 4 * j, 4);
+            __m512i xv = _mm512_set1_epi32(v);
+            if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+            t[i] = _mm512_dpbusd_epi32(t[i], w, xv);
+        }
+    }
+    for (int i = 0; i < n; i++) { /* as lo_step */
+        float d = x->d[rows[i] * (k / GROUP) + g], *l = lo + rows[i] * NB;
+        __m512 step = _mm512_mul_ps(_mm512_set1_ps(d / LO_STEPS), scale);
+        _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[i]), step, _mm512_loadu_ps(l)));
+    }
+}
+
+VNNI_INLINE void wide_pass_vnni_bits(const Rows *x, const WideRows *w, int64_t m, Panel p, const int bits,
+                                     int64_t k) {
+    const int64_t groups = k / GROUP;
+    float *lo = w->lo;
+    memset(lo, 0, (size_t)m * NB * sizeof(float));
+    for (int64_t g = 0; g < groups; g++) {
+        const int32_t *rows = w->rows + w->start[g];
+        const int64_t n = w->start[g + 1] - w->start[g];
+        const __m512i *qg = (const __m512i *)(p.quads + g * 2 * QUADS);
+        const __m512 scale = _mm512_loadu_ps(p.sz + g * 2 * NB);
+        int64_t i = 0;
+        for (; i + MR_VNNI <= n; i += MR_VNNI) wide_group_vnni(x, rows + i, MR_VNNI, qg, g, scale, bits, k, lo);
+        if (n - i >= 4) wide_group_vnni(x, rows + i, 4, qg, g, scale, bits, k, lo), i += 4;
+        if (n - i >= 2) wide_group_vnni(x, rows + i, 2, qg, g, scale, bits, k, lo), i += 2;
+        if (n - i == 1) wide_group_vnni(x, rows + i, 1, qg, g, scale, bits, k, lo);
+    }
+}
+
+/* As wide_pass, with VNNI tiles. */
+__attribute__((noinline, target(VNNI_TARGET))) static void wide_pass_vnni(const Rows *x, const WideRows *w,
+                                                                          int64_t m, Panel p, int bits,
+                                                                          int64_t k) {
+    if (bits == 4) wide_pass_vnni_bits(x, w, m, p, 4, k);
+    else if (bits == 5) wide_pass_vnni_bits(x, w, m, p, 5, k);
+    else wide_pass_vnni_bits(x, w, m, p, 8, k);
+}
+
 /* Rows 0 .. m - 1 of x against one panel; with mixed activations (wide: their lists) also the
  * wide groups' residual planes. */
 INLINE void panel_rows(const Rows *x, const WideRows *wide, int64_t m, Panel p, const int bits, int64_t k,
                        float *y, int64_t ldy, const float *bias, const char *next) {
     if (wide) {
-        wide_pass(x, wide, m, p, bits, k);
+        if (use_vnni) wide_pass_vnni(x, wide, m, p, bits, k);
+        else wide_pass(x, wide, m, p, bits, k);
         panel_tiles(x, m, p, bits, k, y, ldy, bias, next, wide->lo);
+        return;
+    }
+    if (x->lo && use_vnni) {
+        panel_tiles2_vnni(x, m, p, bits, k, y, ldy, bias, next);
         return;
     }
     if (x->lo) {

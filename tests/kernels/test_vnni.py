@@ -1,0 +1,55 @@
+"""The AVX-512 VNNI tiles of qdot.c: used where the CPU has the instructions, and equal to the
+AVX2 tiles bit for bit in every kind of activations, weight width and row count."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pypto_serving.kernels import cpu
+from pypto_serving.kernels.cpu import qlinear
+from pypto_serving.kernels.quant_linear import pack
+
+needs_kernels = pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
+VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+MATMULS = [qlinear.quant_linear_cpu_q8, qlinear.quant_linear_cpu_mixed, qlinear.quant_linear_cpu_q16]
+
+
+@needs_kernels
+def test_the_vnni_tiles_run_where_the_cpu_has_them() -> None:
+    assert cpu.vnni() == (VNNI_FLAGS <= cpu._cpu_flags())
+
+
+@pytest.fixture
+def avx2_too() -> Iterator[None]:
+    if not cpu.vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    yield
+    cpu.library().qdot_use_vnni(1)
+
+
+def both(matmul, x: torch.Tensor, w, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = cpu.library()
+    lib.qdot_use_vnni(1)
+    vnni = matmul(x, w, bias)
+    lib.qdot_use_vnni(0)
+    avx2 = matmul(x, w, bias)
+    lib.qdot_use_vnni(1)
+    return vnni, avx2
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("matmul", MATMULS, ids=["int8", "mixed", "int16"])
+def test_vnni_tiles_equal_the_avx2_tiles_bit_for_bit(avx2_too, bits: int, matmul) -> None:
+    g = torch.Generator().manual_seed(bits)
+    w, _ = pack(torch.randn(48, 96, generator=g), bits)
+    bias = torch.randn(w.q.shape[0] * 16, generator=g)
+    for m in (2, 3, 7, 8, 9, 13, 21):  # whole tiles of 8 and every remainder
+        x = torch.randn(m, 96, generator=g)
+        x[:, ::13] *= 40  # outlier channels: mixed rows with wide groups, not all alike
+        for b in (None, bias):
+            vnni, avx2 = both(matmul, x, w, b)
+            assert torch.equal(vnni, avx2), (m, b is None)
