@@ -1,5 +1,5 @@
-"""The AVX-512 VNNI tiles of qdot.c: used where the CPU has the instructions, and equal to the
-AVX2 tiles bit for bit in every kind of activations, weight width and row count."""
+"""The AVX-512 VNNI tiles of qdot.c and qhead.c: used where the CPU has the instructions, and
+equal to the AVX2 tiles bit for bit in every kind of activations, weight width and row count."""
 
 from __future__ import annotations
 
@@ -52,4 +52,17 @@ def test_vnni_tiles_equal_the_avx2_tiles_bit_for_bit(avx2_too, bits: int, matmul
         x[:, ::13] *= 40  # outlier channels: mixed rows with wide groups, not all alike
         for b in (None, bias):
             vnni, avx2 = both(matmul, x, w, b)
+            assert torch.equal(vnni, avx2), (m, b is None)
+
+
+@needs_kernels
+def test_the_heads_vnni_tiles_equal_its_avx2_tiles_bit_for_bit(avx2_too) -> None:
+    """qhead.c: int8 panels against int16 activations (vpdpwssd)."""
+    g = torch.Generator().manual_seed(0)
+    w, _ = pack(torch.randn(80, 96, generator=g), 8)
+    bias = torch.randn(w.q.shape[0] * 16, generator=g)
+    for m in (2, 5, 8, 15, 16):
+        x = torch.randn(m, 96, generator=g)
+        for b in (None, bias):
+            vnni, avx2 = both(qlinear.quant_linear_cpu_head, x, w, b)
             assert torch.equal(vnni, avx2), (m, b is None)

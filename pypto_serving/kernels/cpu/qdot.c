@@ -498,7 +498,7 @@ INLINE const float *sums_at(const float *lo, int64_t m0) { return lo ? lo + m0 *
 #define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
 #define VNNI_INLINE static inline __attribute__((always_inline, target(VNNI_TARGET)))
 #define MR_VNNI 8 /* rows per tile: 8 sums and 8 accumulators of the 32 registers */
-static int use_vnni;
+int use_vnni; /* qhead.c's tiles follow it too */
 
 /* Turns the VNNI tiles on (1, where the CPU has them) or off (0), or leaves them (-1); returns
  * whether they are on. The library's loader turns them on; tests turn them off to compare. */

@@ -131,9 +131,79 @@ INLINE void tile(const int16_t *xq, const float *d, const int mr, const int8_t *
     for (int r = 0; r < mr; r++) store8(y + r * ldy + h * 8, acc[r], bias ? bias + h * 8 : 0);
 }
 
+/* ---- AVX-512 VNNI (qdot.c's use_vnni) ----
+ * A quad's 16 rows sign-extended to int16 fill two 512-bit registers, and vpdpwssd adds each
+ * 32-bit lane's two products to its sum in one instruction (AVX2: vpmaddwd, then vpaddd, per 8
+ * rows). The integer dots and the epilogue are tile's, so the results are its bit for bit. */
+extern int use_vnni;
+#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
+#define VNNI_INLINE static inline __attribute__((always_inline, target(VNNI_TARGET)))
+#define MR_VNNI 8 /* rows per tile: 16 sums and 8 accumulators of the 32 registers */
+
+/* mr rows of x against all 16 rows of the int8 panel w */
+VNNI_INLINE void tile_vnni(const int16_t *xq, const float *d, const int mr, const int8_t *w, const uint16_t *scale,
+                           const float *bias, int64_t k_len, float *y, int64_t ldy, const char *next) {
+    const int64_t groups = k_len / GROUP;
+    /* lanes 2 r and 2 r + 1 of a half's sums are row r's two pairs: gathered into row order */
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    __m512 acc[MR_VNNI];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i t[MR_VNNI][2];
+        for (int r = 0; r < mr; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            int64_t k = g * GROUP + 4 * j;
+            __m512i lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k * 16)));
+            __m512i hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k * 16 + 32)));
+            for (int r = 0; r < mr; r++) {
+                int64_t v;
+                memcpy(&v, xq + r * k_len + k, 8);
+                __m512i xv = _mm512_set1_epi64(v);
+                t[r][0] = _mm512_dpwssd_epi32(t[r][0], lo, xv);
+                t[r][1] = _mm512_dpwssd_epi32(t[r][1], hi, xv);
+            }
+        }
+        prefetch_group(next, g, QUADS);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * NB)));
+        for (int r = 0; r < mr; r++) {
+            __m512i dot = _mm512_add_epi32(_mm512_permutex2var_epi32(t[r][0], even, t[r][1]),
+                                           _mm512_permutex2var_epi32(t[r][0], odd, t[r][1]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(d[r * groups + g]), s), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        _mm512_storeu_ps(y + r * ldy, bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(bias)) : acc[r]);
+}
+
+__attribute__((noinline, target(VNNI_TARGET))) static void panel_rows_vnni(const int16_t *xq, const float *d,
+                                                                           int64_t m, const int8_t *w,
+                                                                           const uint16_t *scale, const float *bias,
+                                                                           int64_t k, float *y, int64_t ldy,
+                                                                           const char *next) {
+    const int64_t groups = k / GROUP;
+    int64_t m0 = 0;
+    for (; m0 + MR_VNNI <= m; m0 += MR_VNNI, next = 0)
+        tile_vnni(xq + m0 * k, d + m0 * groups, MR_VNNI, w, scale, bias, k, y + m0 * ldy, ldy, next);
+    if (m - m0 >= 4) {
+        tile_vnni(xq + m0 * k, d + m0 * groups, 4, w, scale, bias, k, y + m0 * ldy, ldy, next);
+        m0 += 4, next = 0;
+    }
+    if (m - m0 >= 2) {
+        tile_vnni(xq + m0 * k, d + m0 * groups, 2, w, scale, bias, k, y + m0 * ldy, ldy, next);
+        m0 += 2, next = 0;
+    }
+    if (m0 < m) tile_vnni(xq + m0 * k, d + m0 * groups, 1, w, scale, bias, k, y + m0 * ldy, ldy, next);
+}
+
 INLINE void panel_rows(const int16_t *xq, const float *d, int64_t m, const int8_t *w, const uint16_t *scale,
                        const float *bias, int64_t k, float *y, int64_t ldy, const char *next) {
     const int64_t groups = k / GROUP;
+    if (use_vnni) {
+        panel_rows_vnni(xq, d, m, w, scale, bias, k, y, ldy, next);
+        return;
+    }
     for (int h = 0; h < 2; h++) {
         int64_t m0 = 0;
         for (; m0 + MR <= m; m0 += MR, next = 0)
