@@ -47,7 +47,7 @@ def test_vnni_tiles_equal_the_avx2_tiles_bit_for_bit(avx2_too, bits: int, matmul
     g = torch.Generator().manual_seed(bits)
     w, _ = pack(torch.randn(48, 96, generator=g), bits)
     bias = torch.randn(w.q.shape[0] * 16, generator=g)
-    for m in (2, 3, 7, 8, 9, 13, 21):  # whole tiles of 8 and every remainder
+    for m in (1, 2, 3, 7, 8, 9, 13, 21):  # one row (gemv), whole tiles of 8 and every remainder
         x = torch.randn(m, 96, generator=g)
         x[:, ::13] *= 40  # outlier channels: mixed rows with wide groups, not all alike
         for b in (None, bias):

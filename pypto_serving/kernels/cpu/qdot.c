@@ -487,10 +487,11 @@ INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_le
 INLINE const float *sums_at(const float *lo, int64_t m0) { return lo ? lo + m0 * NB : 0; }
 
 /* ---- AVX-512 VNNI ----
- * Where the CPU has it (Zen 4 and 5, Intel since Ice Lake; qdot_use_vnni), int4 and int8 panels
- * take tile_vnni instead of tile: vpdpbusd on 512-bit registers multiplies one quad's 64 levels
- * (all 16 rows of the panel) by a row's 4 inputs broadcast and adds each row's four products to
- * its int32 sum, in one instruction where AVX2 takes two vpmaddubsw, their adds and the widening
+ * Where the CPU has it (Zen 4 and 5, Intel since Ice Lake; qdot_use_vnni), panels of every
+ * width take tile_vnni instead of tile (and tile2_vnni, wide_pass_vnni and row_panel_vnni
+ * instead of theirs): vpdpbusd on 512-bit registers multiplies one quad's 64 levels (all 16
+ * rows of the panel) by a row's 4 inputs broadcast and adds each row's four products to its
+ * int32 sum, in one instruction where AVX2 takes two vpmaddubsw, their adds and the widening
  * per 16 rows. The integer sums are the same and so is the epilogue, lane by lane (one fma for
  * the scale, one for the zero, in group order), so the results equal tile's bit for bit. int8
  * levels are signed: their magnitudes (unsigned) meet the inputs negated where a level is
@@ -646,6 +647,75 @@ __attribute__((noinline, target(VNNI_TARGET))) static void panel_tiles2_vnni(con
     if (bits == 4) panel_tiles2_vnni_bits(x, m, p, 4, k, y, ldy, bias, next);
     else if (bits == 5) panel_tiles2_vnni_bits(x, m, p, 5, k, y, ldy, bias, next);
     else panel_tiles2_vnni_bits(x, m, p, 8, k, y, ldy, bias, next);
+}
+
+/* As row_panel (M = 1), with VNNI: a quad's 16 rows in one 512-bit register, one vpdpbusd per
+ * plane. The same integer sums and epilogue per lane: row_panel's results bit for bit. */
+VNNI_INLINE __m512i quads_vnni(const uint8_t *q, const uint8_t *q5, int64_t k, const int j, __m256i ha, __m256i hb,
+                               const int bits) {
+    if (bits == 8) return _mm512_loadu_si512((const void *)(q + k * 16));
+    __m256i a, b;
+    if (bits == 4) quads4(q, k, &a, &b);
+    else quads5(q5, j, ha, hb, &a, &b);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+VNNI_INLINE __m512i dot_vnni(__m512i t, __m512i w, __mmask64 negative, const int8_t *x, const int bits) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    __m512i xv = _mm512_set1_epi32(v);
+    if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+    return _mm512_dpbusd_epi32(t, w, xv);
+}
+
+VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
+                                const int bits, int64_t k_len, float *y, const float *bias) {
+    __m512 acc = _mm512_setzero_ps(), lo = acc;
+    for (int64_t g = 0; g < k_len / GROUP; g++) {
+        if (bits == 5) prefetch_group((const char *)q, g + AHEAD_GROUPS, 5);
+        __m512i t = _mm512_setzero_si512(), l = t;
+        const uint8_t *q5 = q + g * 10 * GROUP;
+        __m256i ha = _mm256_setzero_si256(), hb = ha;
+        if (bits == 5) high5(q5, &ha, &hb);
+        const int two = x->lo && (!x->wide || is_wide(x->wide, g));
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            int64_t k = g * GROUP + 4 * j;
+            __m512i w = quads_vnni(q, q5, k, j, ha, hb, bits);
+            __mmask64 negative = 0;
+            if (bits == 8) {
+                negative = _mm512_movepi8_mask(w);
+                w = _mm512_abs_epi8(w);
+            }
+            t = dot_vnni(t, w, negative, x->q + k, bits);
+            if (two) l = dot_vnni(l, w, negative, x->lo + k, bits);
+        }
+        __m512i dot = t;
+        if (two && !x->wide) dot = _mm512_add_epi32(_mm512_mullo_epi32(t, _mm512_set1_epi32(LO_STEPS)), l);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * NB)));
+        const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zero + g * NB)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(x->d[g]), s), acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(x->sx[g]), z, acc);
+        if (two && x->wide)
+            lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), _mm512_mul_ps(_mm512_set1_ps(x->d[g] / LO_STEPS), s), lo);
+    }
+    if (x->wide) acc = _mm512_add_ps(acc, lo);
+    _mm512_storeu_ps(y, bias ? _mm512_add_ps(acc, _mm512_loadu_ps(bias)) : acc);
+}
+
+__attribute__((noinline, target(VNNI_TARGET))) static void gemv_vnni(const Rows *x, int64_t k, int64_t n_blocks,
+                                                                     const uint8_t *q, const uint16_t *s,
+                                                                     const uint16_t *z, int bits, const float *bias,
+                                                                     float *y) {
+    int64_t groups = k / GROUP, qbytes = k * bits * 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < n_blocks; nb++) {
+        const float *bb = bias ? bias + nb * NB : 0;
+        const uint16_t *sb = s + nb * groups * NB, *zb = z + nb * groups * NB;
+        if (bits == 4) row_panel_vnni(x, q + nb * qbytes, sb, zb, 4, k, y + nb * NB, bb);
+        else if (bits == 5) row_panel_vnni(x, q + nb * qbytes, sb, zb, 5, k, y + nb * NB, bb);
+        else row_panel_vnni(x, q + nb * qbytes, sb, zb, 8, k, y + nb * NB, bb);
+    }
 }
 
 /* Rows 0 .. m - 1 of x against one panel, in tiles of MR rows and a last one of 1 or 2 (each
@@ -921,7 +991,8 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
     int64_t ldy = n_blocks * NB, groups = k / GROUP;
     if (m == 1) {
         quantize(&rows, x, k, 0);
-        gemv(&rows, k, n_blocks, q, s, z, (int)bits, bias, y);
+        if (use_vnni) gemv_vnni(&rows, k, n_blocks, q, s, z, (int)bits, bias, y);
+        else gemv(&rows, k, n_blocks, q, s, z, (int)bits, bias, y);
         return 0;
     }
     const int64_t tile_rows = planes == 2 ? 6 : MR; /* whole tiles of either kind per pass */
