@@ -511,6 +511,37 @@ int64_t qdot_use_vnni(int64_t on) {
     return use_vnni;
 }
 
+/* A quad of all 16 rows' levels as vpdpbusd's unsigned operand: int8 levels as magnitudes, with
+ * *negative marking the negative ones (dot_vnni negates their inputs). */
+VNNI_INLINE __m512i levels_vnni(__m512i w, const int bits, __mmask64 *negative) {
+    *negative = 0;
+    if (bits != 8) return w;
+    *negative = _mm512_movepi8_mask(w);
+    return _mm512_abs_epi8(w); /* -128 becomes 128, unsigned: right */
+}
+
+/* t + the dots of the quad's levels w with x's 4 int8 inputs at x */
+VNNI_INLINE __m512i dot_vnni(__m512i t, __m512i w, __mmask64 negative, const int8_t *x, const int bits) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    __m512i xv = _mm512_set1_epi32(v);
+    if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+    return _mm512_dpbusd_epi32(t, w, xv);
+}
+
+/* As group_dots: the dots of mr rows (xr: a plane of each, from k = off) with one group's
+ * quads qg, t [r] (16 rows' int32 sums). */
+VNNI_INLINE void group_dots_vnni(const __m512i *qg, const int8_t **xr, int64_t off, const int mr, const int bits,
+                                 __m512i *t) {
+    for (int r = 0; r < mr; r++) t[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < QUADS; j++) {
+        __mmask64 negative;
+        const __m512i w = levels_vnni(_mm512_loadu_si512(qg + j), bits, &negative);
+        for (int r = 0; r < mr; r++) t[r] = dot_vnni(t[r], w, negative, xr[r] + off + 4 * j, bits);
+    }
+}
+
 VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
                            int64_t ldy, const float *bias, const char *next, const float *lo) {
     const int64_t groups = k_len / GROUP;
@@ -521,25 +552,8 @@ VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, con
         acc[r] = _mm512_setzero_ps();
     }
     for (int64_t g = 0; g < groups; g++) {
-        const __m512i *qg = (const __m512i *)(p.quads + g * 2 * QUADS);
         __m512i t[MR_VNNI];
-        for (int r = 0; r < mr; r++) t[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int j = 0; j < QUADS; j++) {
-            __m512i w = _mm512_loadu_si512(qg + j);
-            __mmask64 negative = 0;
-            if (bits == 8) {
-                negative = _mm512_movepi8_mask(w);
-                w = _mm512_abs_epi8(w); /* -128 becomes 128, unsigned: right */
-            }
-            for (int r = 0; r < mr; r++) {
-                int32_t v;
-                memcpy(&v, xr[r] + g * GROUP + 4 * j, 4);
-                __m512i xv = _mm512_set1_epi32(v);
-                if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-                t[r] = _mm512_dpbusd_epi32(t[r], w, xv);
-            }
-        }
+        group_dots_vnni((const __m512i *)(p.quads + g * 2 * QUADS), xr, g * GROUP, mr, bits, t);
         prefetch_group(next, g, bits);
         const float *sz = p.sz + g * 2 * NB;
         const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
@@ -598,23 +612,11 @@ VNNI_INLINE void tile2_vnni(const Rows *x, int64_t m0, const int mr, Panel p, co
         for (int r = 0; r < mr; r++) t[r] = l[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = 0; j < QUADS; j++) {
-            __m512i w = _mm512_loadu_si512(qg + j);
-            __mmask64 negative = 0;
-            if (bits == 8) {
-                negative = _mm512_movepi8_mask(w);
-                w = _mm512_abs_epi8(w);
-            }
+            __mmask64 negative;
+            const __m512i w = levels_vnni(_mm512_loadu_si512(qg + j), bits, &negative);
             for (int r = 0; r < mr; r++) {
-                int32_t v, u;
-                memcpy(&v, xr[r] + g * GROUP + 4 * j, 4);
-                memcpy(&u, xl[r] + g * GROUP + 4 * j, 4);
-                __m512i xv = _mm512_set1_epi32(v), lv = _mm512_set1_epi32(u);
-                if (bits == 8) {
-                    xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-                    lv = _mm512_mask_sub_epi8(lv, negative, _mm512_setzero_si512(), lv);
-                }
-                t[r] = _mm512_dpbusd_epi32(t[r], w, xv);
-                l[r] = _mm512_dpbusd_epi32(l[r], w, lv);
+                t[r] = dot_vnni(t[r], w, negative, xr[r] + g * GROUP + 4 * j, bits);
+                l[r] = dot_vnni(l[r], w, negative, xl[r] + g * GROUP + 4 * j, bits);
             }
         }
         prefetch_group(next, g, bits);
@@ -660,14 +662,6 @@ VNNI_INLINE __m512i quads_vnni(const uint8_t *q, const uint8_t *q5, int64_t k, c
     return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
 }
 
-VNNI_INLINE __m512i dot_vnni(__m512i t, __m512i w, __mmask64 negative, const int8_t *x, const int bits) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    __m512i xv = _mm512_set1_epi32(v);
-    if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-    return _mm512_dpbusd_epi32(t, w, xv);
-}
-
 VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
                                 const int bits, int64_t k_len, float *y, const float *bias) {
     __m512 acc = _mm512_setzero_ps(), lo = acc;
@@ -681,12 +675,8 @@ VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t 
 #pragma GCC unroll 8
         for (int j = 0; j < QUADS; j++) {
             int64_t k = g * GROUP + 4 * j;
-            __m512i w = quads_vnni(q, q5, k, j, ha, hb, bits);
-            __mmask64 negative = 0;
-            if (bits == 8) {
-                negative = _mm512_movepi8_mask(w);
-                w = _mm512_abs_epi8(w);
-            }
+            __mmask64 negative;
+            const __m512i w = levels_vnni(quads_vnni(q, q5, k, j, ha, hb, bits), bits, &negative);
             t = dot_vnni(t, w, negative, x->q + k, bits);
             if (two) l = dot_vnni(l, w, negative, x->lo + k, bits);
         }
@@ -822,24 +812,10 @@ INLINE void wide_pass(const Rows *x, const WideRows *w, int64_t m, Panel p, cons
 /* As wide_group, with VNNI tiles (n rows: 1 .. MR_VNNI). */
 VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const int n, const __m512i *qg, int64_t g,
                                  __m512 scale, const int bits, int64_t k, float *lo) {
+    const int8_t *xl[MR_VNNI];
     __m512i t[MR_VNNI];
-    for (int i = 0; i < n; i++) t[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int j = 0; j < QUADS; j++) {
-        __m512i w = _mm512_loadu_si512(qg + j);
-        __mmask64 negative = 0;
-        if (bits == 8) {
-            negative = _mm512_movepi8_mask(w);
-            w = _mm512_abs_epi8(w);
-        }
-        for (int i = 0; i < n; i++) {
-            int32_t v;
-            memcpy(&v, x->lo + rows[i] * k + g * GROUP + 4 * j, 4);
-            __m512i xv = _mm512_set1_epi32(v);
-            if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-            t[i] = _mm512_dpbusd_epi32(t[i], w, xv);
-        }
-    }
+    for (int i = 0; i < n; i++) xl[i] = x->lo + rows[i] * k;
+    group_dots_vnni(qg, xl, g * GROUP, n, bits, t);
     for (int i = 0; i < n; i++) { /* as lo_step */
         float d = x->d[rows[i] * (k / GROUP) + g], *l = lo + rows[i] * NB;
         __m512 step = _mm512_mul_ps(_mm512_set1_ps(d / LO_STEPS), scale);
