@@ -174,8 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8: packed matmuls on the cpu quantize their inputs per row and group of "
                         "32 (as llama.cpp does; ~2x faster prefill and batched decode, slightly "
                         "inexact); mixed: int8, plus a second int8 plane for each row's outlier "
-                        "groups and int16 for the first and last layers (nearer exact, a little "
-                        "slower); "
+                        "groups and int16 for the last layer (nearer exact, a little slower); "
                         "int16: two int8 planes everywhere, near exact, ~1.7x slower prefill than "
                         "int8 and still faster than none; "
                         "auto: mixed wherever weights are packed on the cpu; none: float32")

@@ -54,15 +54,14 @@ class CpuBackend(PortableBackend):
         return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, used, head=head)
 
     def layers(self, quantization: str, activations: str = "none") -> LayerFactory:
-        """Under mixed activations the first and last decoder layers' linears take int16 ones:
-        alone at int8 the last moves SmolLM2's logprobs about as much as the other 29 layers
-        together, and the first the most of those. At int16 the two take the mixed default's
-        mean deviation from the exact path's down by ~20% (SmolLM2) for ~1.5% of a prefill
-        each (docs/performance.md, "Accuracy of the fast path")."""
+        """Under mixed activations the last decoder layer's linears take int16 ones: alone at
+        int8 it moves SmolLM2's logprobs about as much as the other 29 layers together, and at
+        int16 it takes the mixed default's mean deviation from the exact path's down by ~14%
+        for ~2% of a prefill (docs/performance.md, "Accuracy of the fast path")."""
         make = super().layers(quantization, activations)
         if make.kernels.activations != "mixed":
             return make
-        return replace(make, edge_layers=self.quant_kernels("int16"))
+        return replace(make, last_layer=self.quant_kernels("int16"))
 
     def decoder_ops(self, packed: bool) -> DecoderOps:
         """The fused C kernels come with packed weights; the exact path stays portable."""

@@ -163,12 +163,11 @@ class LayerFactory:
     quantization: str = "none"
     kernels: QuantKernels = PORTABLE_KERNELS
     ops: DecoderOps = PORTABLE
-    # The first and last decoder layers' linears' kernels, where they differ (None: `kernels`).
-    # The last layer's rounding errors reach the logits through no later layer, and of all
-    # layers its activations' rounding moves them most, the first layer's next
-    # (backends/cpu.py gives both int16 activations under mixed ones; docs/performance.md,
-    # "Accuracy of the fast path").
-    edge_layers: QuantKernels | None = None
+    # The last decoder layer's linears' kernels, where they differ (None: `kernels`). Its
+    # rounding errors reach the logits through no later layer, and it is the layer whose
+    # activations' rounding moves them most (backends/cpu.py gives it int16 activations
+    # under mixed ones; docs/performance.md, "Accuracy of the fast path").
+    last_layer: QuantKernels | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -183,9 +182,9 @@ class LayerFactory:
 
     def for_layer(self, index: int, layers: int) -> LayerFactory:
         """The factory of decoder layer `index` of `layers`."""
-        if self.edge_layers is None or index not in (0, layers - 1):
+        if self.last_layer is None or index != layers - 1:
             return self
-        return replace(self, kernels=self.edge_layers, edge_layers=None)
+        return replace(self, kernels=self.last_layer, last_layer=None)
 
     def decoder_ops(self) -> DecoderOps:
         return self.ops

@@ -120,10 +120,9 @@ def score(path: str, ids: list[int], quantization: str = "none", activations: st
 @pytest.mark.skipif(not cpu.available(), reason="no AVX2/FMA/F16C CPU or no C compiler")
 def test_fast_paths_agree_with_the_exact_path_on_a_fixed_text(smollm2_gguf: str, smollm2_tokenizer) -> None:
     """int16 activations: at least 99% of positions (measured 62 of 62 here, 99.85% over the
-    benchmark's 2,044); the mixed default: at least 97% (62 of 62 here, 99.0-99.2% over 2,044
-    to 6,132 there), and its true tokens' logprobs within 0.0205 of the exact path's on average
-    (0.0191 here; 0.0220 with the first layer at mixed activations too, 0.0264 with both edge
-    layers, as before 2026-12-03);
+    benchmark's 2,044); the mixed default: at least 97% (62 of 62 here, 98.9-99.2% over 2,044
+    to 6,132 there), and its true tokens' logprobs within 0.024 of the exact path's on average
+    (0.0220 here; 0.0264 with the last layer at mixed activations too, as before 2026-12-03);
     int8: at least 94% (59 of 62 here, 96.6-97.1% there, where llama.cpp's Q8 path on the same
     GGUF agrees at 96.2%), 0.061 from the exact path's logprobs."""
     ids = smollm2_tokenizer.encode(FIXED_TEXT, add_special_tokens=False)[:63]
@@ -135,5 +134,5 @@ def test_fast_paths_agree_with_the_exact_path_on_a_fixed_text(smollm2_gguf: str,
     assert mixed["top1_agreement"] >= 0.97
     assert int8["top1_agreement"] >= 0.94
     assert int16["logprob_deviation"] < 0.005
-    assert mixed["logprob_deviation"] < 0.0205
+    assert mixed["logprob_deviation"] < 0.024
     assert int8["logprob_deviation"] > 2 * mixed["logprob_deviation"]

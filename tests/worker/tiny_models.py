@@ -63,7 +63,7 @@ GEMMA3 = dict(
 )
 CHECKPOINTS: dict[str, tuple[str, dict]] = {
     "llama": ("Llama", {}),
-    "llama_3_layers": ("Llama", dict(num_hidden_layers=3)),  # a middle layer besides the two edges
+    "llama_3_layers": ("Llama", dict(num_hidden_layers=3)),  # more than one layer before the last
     "llama_rope_llama3": ("Llama", dict(rope_scaling=LLAMA3_ROPE)),
     "qwen2_tied": ("Qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3", dict(head_dim=32)),  # head_dim != hidden / heads

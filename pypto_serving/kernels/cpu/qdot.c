@@ -181,7 +181,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
  * WIDE_RATIO times the row's mean d^2 (an outlier's group, whose rounding error dominates the
  * row's), which also get the residual plane: bit g of wide is set. d stays the int8 step (a wide
  * group's residual step is d / LO_STEPS); a narrow group's residual plane is left unwritten. On
- * SmolLM2 about a fifth of the groups are wide, and with the first and last layers at int16
+ * SmolLM2 about a fifth of the groups are wide, and with the last layer at int16
  * (backends/cpu.py) the rounding error that is left costs ~1% of top-1 agreement with the exact
  * path instead of ~3% at int8. At 0.5 (two fifths wide) it costs ~0.8%, for ~10% more prefill
  * on SmolLM2 and ~30% less batched throughput on Qwen2.5-Coder-0.5B (docs/performance.md). */

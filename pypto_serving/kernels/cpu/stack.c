@@ -55,7 +55,7 @@ typedef struct {
                        cos/sin table, as Gemma 3's), or 0: all */
     int64_t planes; /* what its linears quantize their inputs to: 0 nothing, else qdot.c's planes (1
                        int8, 2 two int8 planes, 3 mixed); layers need not agree (under mixed
-                       activations the first and last layers' take two planes) */
+                       activations the last layer's take two planes) */
 } Layer;
 
 typedef struct {
