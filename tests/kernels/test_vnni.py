@@ -30,12 +30,13 @@ def avx2_too() -> Iterator[None]:
     cpu.library().qdot_use_vnni(1)
 
 
-def both(matmul, x: torch.Tensor, w, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def both(kernel, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernel(*args) with the AVX-512 kernels, then with the AVX2 ones."""
     lib = cpu.library()
     lib.qdot_use_vnni(1)
-    vnni = matmul(x, w, bias)
+    vnni = kernel(*args)
     lib.qdot_use_vnni(0)
-    avx2 = matmul(x, w, bias)
+    avx2 = kernel(*args)
     lib.qdot_use_vnni(1)
     return vnni, avx2
 
@@ -66,3 +67,4 @@ def test_the_heads_vnni_tiles_equal_its_avx2_tiles_bit_for_bit(avx2_too) -> None
         for b in (None, bias):
             vnni, avx2 = both(qlinear.quant_linear_cpu_head, x, w, b)
             assert torch.equal(vnni, avx2), (m, b is None)
+
