@@ -12,7 +12,8 @@ matmuls at decode and prefill sizes (fp32 activations, and the serving default: 
 activations), and the read, copy and write bandwidth of a buffer much larger than the
 last-level cache. With AVX2 and a C compiler it also times `int8_roof.c`: how many vpmaddubsw
 (32 int8 multiply-adds each) all threads retire per second, alone and with the add that
-accumulates them, the ceiling of the int8 x int4 matmuls.
+accumulates them, the ceiling of the AVX2 int8 x int4 matmuls; with AVX-512 VNNI, how many
+512-bit vpdpbusd (64 each), the ceiling of the VNNI tiles.
 """
 
 from __future__ import annotations
@@ -123,32 +124,54 @@ def int8_activation_measurement() -> list[Measurement]:
     return [Measurement("int4 x int8-activation GEMM M=512", m * k * n / seconds / 1e9, "GMAC/s")]
 
 
-def int8_roof_measurements(iters: int = 20_000_000) -> list[Measurement]:
-    """vpmaddubsw retired per second on all torch threads (int8_roof.c), in multiply-adds."""
+def _roof_library() -> ctypes.CDLL | None:
+    """int8_roof.c built and loaded, or None without AVX2 or a C compiler."""
     from pypto_serving.kernels.cpu import find_compiler, has_avx2
 
     compiler = find_compiler()
     if not has_avx2() or compiler is None:
-        return []
+        return None
     source = Path(__file__).with_name("int8_roof.c")
     with tempfile.TemporaryDirectory() as tmp:
         lib_path = Path(tmp) / "int8_roof.so"
         flags = ["-O2", "-mavx2", "-fopenmp", "-shared", "-fPIC"]
         subprocess.run([compiler, *flags, str(source), "-o", str(lib_path)], check=True, capture_output=True)
-        roof = ctypes.CDLL(str(lib_path)).int8_roof_gmacs
-    roof.argtypes, roof.restype = [ctypes.c_int64] * 3, ctypes.c_double
+        lib = ctypes.CDLL(str(lib_path))
+    lib.int8_roof_gmacs.argtypes, lib.int8_roof_gmacs.restype = [ctypes.c_int64] * 3, ctypes.c_double
+    lib.vnni_roof_gmacs.argtypes, lib.vnni_roof_gmacs.restype = [ctypes.c_int64] * 2, ctypes.c_double
+    return lib
+
+
+def int8_roof_measurements(iters: int = 20_000_000) -> list[Measurement]:
+    """vpmaddubsw retired per second on all torch threads (int8_roof.c), in multiply-adds."""
+    lib = _roof_library()
+    if lib is None:
+        return []
     threads = torch.get_num_threads()
     out = []
     for accumulate, label in ((0, "vpmaddubsw alone"), (1, "vpmaddubsw + vpaddw")):
-        best = max(roof(iters, threads, accumulate) for _ in range(3))
+        best = max(lib.int8_roof_gmacs(iters, threads, accumulate) for _ in range(3))
         out.append(Measurement(f"int8 dot roof, {label}", best, "GMAC/s"))
     return out
+
+
+def vnni_roof_measurements(iters: int = 10_000_000) -> list[Measurement]:
+    """vpdpbusd on 512-bit registers retired per second on all torch threads, in multiply-adds:
+    the roof of the AVX-512 VNNI tiles (none where the CPU lacks them)."""
+    from pypto_serving.kernels.cpu import vnni
+
+    lib = _roof_library() if vnni() else None
+    if lib is None:
+        return []
+    threads = torch.get_num_threads()
+    best = max(lib.vnni_roof_gmacs(iters, threads) for _ in range(3))
+    return [Measurement("int8 dot roof, vpdpbusd (AVX-512 VNNI)", best, "GMAC/s")]
 
 
 def measure_all() -> list[Measurement]:
     results = []
     groups = (bandwidth_gbs, gemm_measurements, weight_only_measurements, int8_activation_measurement,
-              int8_roof_measurements)
+              int8_roof_measurements, vnni_roof_measurements)
     for group in groups:
         for m in group():
             print(f"{m.name:<40}{m.value:>10.1f} {m.unit}", flush=True)
