@@ -30,7 +30,7 @@ from pypto_serving.process.cache_dirs import cache_dir
 SOURCES = [Path(__file__).with_name(name)
            for name in ("qlinear.c", "qdot.c", "qhead.c", "decoder.c", "stack.c", "sampling.c", "moe.c")]
 # part of the build's hash, not compiled alone
-HEADERS = [Path(__file__).with_name(name) for name in ("group_max.h", "prefetch.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("group_max.h", "prefetch.h", "vnni.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {

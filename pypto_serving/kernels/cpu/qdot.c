@@ -25,6 +25,7 @@
 
 #include "group_max.h"
 #include "prefetch.h"
+#include "vnni.h"
 
 #define NB 16
 #define GROUP 32
@@ -496,10 +497,7 @@ INLINE const float *sums_at(const float *lo, int64_t m0) { return lo ? lo + m0 *
  * the scale, one for the zero, in group order), so the results equal tile's bit for bit. int8
  * levels are signed: their magnitudes (unsigned) meet the inputs negated where a level is
  * negative, as vpsignb does in quad_dot. */
-#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
-#define VNNI_INLINE static inline __attribute__((always_inline, target(VNNI_TARGET)))
-#define MR_VNNI 8 /* rows per tile: 8 sums and 8 accumulators of the 32 registers */
-int use_vnni; /* qhead.c's tiles follow it too */
+int use_vnni; /* vnni.h; qhead.c's tiles follow it too */
 
 /* Turns the VNNI tiles on (1, where the CPU has them) or off (0), or leaves them (-1); returns
  * whether they are on. The library's loader turns them on; tests turn them off to compare. */
@@ -527,6 +525,20 @@ VNNI_INLINE __m512i dot_vnni(__m512i t, __m512i w, __mmask64 negative, const int
     __m512i xv = _mm512_set1_epi32(v);
     if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
     return _mm512_dpbusd_epi32(t, w, xv);
+}
+
+/* As group_step, lo_step and planes_dot, for 16 rows' sums */
+VNNI_INLINE __m512 group_step_vnni(__m512 acc, __m512i dot, float d, float sx, __m512 scale, __m512 zero) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(d), scale), acc);
+    return _mm512_fmadd_ps(_mm512_set1_ps(sx), zero, acc);
+}
+
+VNNI_INLINE __m512 lo_step_vnni(__m512 acc, __m512i lo_dot, float d, __m512 scale) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot), _mm512_mul_ps(_mm512_set1_ps(d / LO_STEPS), scale), acc);
+}
+
+VNNI_INLINE __m512i planes_dot_vnni(__m512i hi, __m512i lo) {
+    return _mm512_add_epi32(_mm512_mullo_epi32(hi, _mm512_set1_epi32(LO_STEPS)), lo);
 }
 
 /* As group_dots: the dots of mr rows (xr: a plane of each, from k = off) with one group's
@@ -559,8 +571,7 @@ VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, con
         const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r]), _mm512_mul_ps(_mm512_set1_ps(x->d[i]), scale), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->sx[i]), zero, acc[r]);
+            acc[r] = group_step_vnni(acc[r], t[r], x->d[i], x->sx[i], scale, zero);
         }
     }
     for (int r = 0; r < mr; r++) { /* as store_tile: (acc + lo) + bias */
@@ -624,9 +635,7 @@ VNNI_INLINE void tile2_vnni(const Rows *x, int64_t m0, const int mr, Panel p, co
         const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(t[r], _mm512_set1_epi32(LO_STEPS)), l[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(x->d[i]), scale), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->sx[i]), zero, acc[r]);
+            acc[r] = group_step_vnni(acc[r], planes_dot_vnni(t[r], l[r]), x->d[i], x->sx[i], scale, zero);
         }
     }
     for (int r = 0; r < mr; r++)
@@ -680,14 +689,10 @@ VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t 
             t = dot_vnni(t, w, negative, x->q + k, bits);
             if (two) l = dot_vnni(l, w, negative, x->lo + k, bits);
         }
-        __m512i dot = t;
-        if (two && !x->wide) dot = _mm512_add_epi32(_mm512_mullo_epi32(t, _mm512_set1_epi32(LO_STEPS)), l);
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * NB)));
         const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zero + g * NB)));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(x->d[g]), s), acc);
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(x->sx[g]), z, acc);
-        if (two && x->wide)
-            lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), _mm512_mul_ps(_mm512_set1_ps(x->d[g] / LO_STEPS), s), lo);
+        acc = group_step_vnni(acc, two && !x->wide ? planes_dot_vnni(t, l) : t, x->d[g], x->sx[g], s, z);
+        if (two && x->wide) lo = lo_step_vnni(lo, l, x->d[g], s);
     }
     if (x->wide) acc = _mm512_add_ps(acc, lo);
     _mm512_storeu_ps(y, bias ? _mm512_add_ps(acc, _mm512_loadu_ps(bias)) : acc);
@@ -816,10 +821,9 @@ VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const int n
     __m512i t[MR_VNNI];
     for (int i = 0; i < n; i++) xl[i] = x->lo + rows[i] * k;
     group_dots_vnni(qg, xl, g * GROUP, n, bits, t);
-    for (int i = 0; i < n; i++) { /* as lo_step */
-        float d = x->d[rows[i] * (k / GROUP) + g], *l = lo + rows[i] * NB;
-        __m512 step = _mm512_mul_ps(_mm512_set1_ps(d / LO_STEPS), scale);
-        _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[i]), step, _mm512_loadu_ps(l)));
+    for (int i = 0; i < n; i++) {
+        float *l = lo + rows[i] * NB;
+        _mm512_storeu_ps(l, lo_step_vnni(_mm512_loadu_ps(l), t[i], x->d[rows[i] * (k / GROUP) + g], scale));
     }
 }
 

@@ -23,6 +23,7 @@
 
 #include "group_max.h"
 #include "prefetch.h"
+#include "vnni.h"
 
 #define NB 16
 #define GROUP 32
@@ -135,11 +136,6 @@ INLINE void tile(const int16_t *xq, const float *d, const int mr, const int8_t *
  * A quad's 16 rows sign-extended to int16 fill two 512-bit registers, and vpdpwssd adds each
  * 32-bit lane's two products to its sum in one instruction (AVX2: vpmaddwd, then vpaddd, per 8
  * rows). The integer dots and the epilogue are tile's, so the results are its bit for bit. */
-extern int use_vnni;
-#define VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
-#define VNNI_INLINE static inline __attribute__((always_inline, target(VNNI_TARGET)))
-#define MR_VNNI 8 /* rows per tile: 16 sums and 8 accumulators of the 32 registers */
-
 /* mr rows of x against all 16 rows of the int8 panel w */
 VNNI_INLINE void tile_vnni(const int16_t *xq, const float *d, const int mr, const int8_t *w, const uint16_t *scale,
                            const float *bias, int64_t k_len, float *y, int64_t ldy, const char *next) {
