@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import time
@@ -115,6 +116,8 @@ def main() -> None:
     for model in args.model:
         path = str(resolve_short_name(model) or model)
         runner = runner_for(path, max(args.batch), args.quantization, args.activation_quantization)
+        gc.collect()  # as the server's worker does after loading (worker/main.py)
+        gc.freeze()
         first = time_batches(runner, args)
         if args.linears:
             for kind, (ms, gbs) in time_linears(runner, args.steps).items():

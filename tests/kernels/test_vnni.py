@@ -1,5 +1,6 @@
-"""The AVX-512 VNNI tiles of qdot.c and qhead.c: used where the CPU has the instructions, and
-equal to the AVX2 tiles bit for bit in every kind of activations, weight width and row count."""
+"""The AVX-512 VNNI tiles of qdot.c and qhead.c, and decoder.c's AVX-512 prefill attention: used
+where the CPU has the instructions, and equal to the AVX2 code bit for bit in every kind of
+activations, weight width and row count, and every attention shape."""
 
 from __future__ import annotations
 
@@ -68,3 +69,22 @@ def test_the_heads_vnni_tiles_equal_its_avx2_tiles_bit_for_bit(avx2_too) -> None
             vnni, avx2 = both(qlinear.quant_linear_cpu_head, x, w, b)
             assert torch.equal(vnni, avx2), (m, b is None)
 
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 40, 128, 8])  # whole 64s, a half vector left over, 2 passes
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (14, 2), (4, 1), (2, 2)])  # groups of 3, 7, 4, 1
+def test_the_prefill_attention_on_512_bit_registers_equals_the_avx2_one(avx2_too, kv_dtype, head_dim: int,
+                                                                        heads: int, kv_heads: int) -> None:
+    """decoder.c's attend_rows_zmm: a prompt's rows, chunked or not, windowed or not, as the AVX2
+    tiles give them (which test_decoder_ops holds equal to decode rows)."""
+    from pypto_serving.kernels.cpu.decoder import prefill_attention_cpu
+
+    g = torch.Generator().manual_seed(head_dim + heads)
+    k, v = (torch.randn(24, 16, kv_heads, head_dim, generator=g).to(kv_dtype) for _ in range(2))
+    slots = torch.randperm(24 * 16, generator=g)[:150]  # a context scattered over the cache
+    q = torch.randn(150, heads, head_dim, generator=g)
+    for rows, window in ((150, 0), (37, 0), (1, 0), (150, 21), (9, 40)):  # whole, a chunk, one row; windows
+        zmm, avx2 = both(prefill_attention_cpu, q[-rows:], k, v, slots, 0.125, window)
+        assert torch.equal(zmm, avx2), (rows, window)
