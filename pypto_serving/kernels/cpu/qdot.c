@@ -129,6 +129,12 @@ INLINE int32_t hsum8(__m256i t) {
     return _mm_cvtsi128_si32(t4);
 }
 
+INLINE float hsum8f(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 INLINE __m256i pack32(__m256i i[4]) {
     __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     /* packs interleaves 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
@@ -178,29 +184,31 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
     }
 }
 
-/* Mixed activations (planes 3): int8 groups, except the row's groups whose d^2 exceeds
- * WIDE_RATIO times the row's mean d^2 (an outlier's group, whose rounding error dominates the
- * row's), which also get the residual plane: bit g of wide is set. d stays the int8 step (a wide
- * group's residual step is d / LO_STEPS); a narrow group's residual plane is left unwritten. On
- * SmolLM2 about a fifth of the groups are wide, and with the last layer at int16
- * (backends/cpu.py) the rounding error that is left costs ~1% of top-1 agreement with the exact
- * path instead of ~3% at int8. At 0.5 (two fifths wide) it costs ~0.8%, for ~10% more prefill
- * on SmolLM2 and ~30% less batched throughput on Qwen2.5-Coder-0.5B (docs/performance.md). */
-#define WIDE_RATIO 1.0f
+/* Mixed activations (planes 3): int8 groups, except the row's groups whose int8 rounding error
+ * is a sizeable part of the row: d^2 > WIDE_ENERGY * sum(x^2), d the group's int8 step (a
+ * group's rounding error energy is ~32 d^2 / 12). Those get the residual plane as well (bit g
+ * of wide is set); d stays the int8 step (a wide group's residual step is d / LO_STEPS); a
+ * narrow group's residual plane is left unwritten. The groups this picks are the ones that hold
+ * an outlier channel, whose step rounds the group's other 31 values to a few levels, and in a
+ * row without outliers few or none. (The rule before, d^2 above the row's mean d^2, also
+ * widened the larger half of a flat row's groups, which cost a pass and bought little: by
+ * energy, SmolLM2 has 20% of its groups wide against 23%, with less error on every measure,
+ * and Qwen2.5-Coder-0.5B 7% against 23%; docs/performance.md.) */
+#define WIDE_ENERGY 1e-6f
 #define WIDE_WORDS(groups) (((groups) + 63) / 64) /* a row's wide groups: one bit each */
 INLINE int is_wide(const uint64_t *wide, int64_t g) { return (int)((wide[g >> 6] >> (g & 63)) & 1); }
 static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo,
                                uint64_t *wide) {
     int64_t groups = k / GROUP;
     memset(wide, 0, WIDE_WORDS(groups) * sizeof(uint64_t));
-    float sum_d2 = 0.0f;
+    __m256 energy = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 v[4];
         sx[g] = group_max(x + g * GROUP, v); /* the group's max until its sum replaces it below */
         d[g] = sx[g] / 127.0f;
-        sum_d2 += d[g] * d[g];
+        for (int i = 0; i < 4; i++) energy = _mm256_fmadd_ps(v[i], v[i], energy);
     }
-    const float limit = WIDE_RATIO * sum_d2 / (float)groups;
+    const float limit = WIDE_ENERGY * hsum8f(energy);
     for (int64_t g = 0; g < groups; g++) {
         __m256 v[4];
         for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + g * GROUP + i * 8);

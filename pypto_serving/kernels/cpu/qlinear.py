@@ -55,9 +55,9 @@ def quant_linear_cpu_q16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
 def quant_linear_cpu_mixed(x: torch.Tensor, w: PackedWeight,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """As `quant_linear_cpu_q8`, with the second plane of `quant_linear_cpu_q16` for the groups
-    of a row whose int8 step is an outlier's (d^2 above the row's mean d^2): those groups'
-    rounding errors, which dominate the row's, shrink 254 times, at the cost of one more pass
-    over those groups only."""
+    of a row whose int8 rounding error is a sizeable part of the row (d^2 > 1e-6 sum(x^2): the
+    groups of its outlier channels): those groups' rounding errors, which dominate the row's,
+    shrink 254 times, at the cost of one more pass over those groups only."""
     return _linear(ACTIVATION_PLANES["mixed"], x, w, bias)
 
 
