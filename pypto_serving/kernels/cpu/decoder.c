@@ -303,16 +303,18 @@ INLINE_LOAD void weigh_values(const float *p, int64_t ld_p, const int c, const v
 }
 
 /* Keys l .. l + 7 as float, kb[u * d + j]; those at n and beyond are zeros (their scores are
- * computed and never read). The keys PREFETCH_KEYS further on are fetched by hand. */
+ * computed and never read). The keys PREFETCH_KEYS further on are fetched by hand. With pairs
+ * (the AVX-512 scores), kb[(p * d / 8 + s) * 16 ..] holds elements 8 s .. 8 s + 7 of key
+ * l + 2 p, then of key l + 2 p + 1. */
 INLINE_LOAD void load_keys8(float *kb, const void *k_cache, const int64_t *slots, int64_t l, int64_t n,
-                            int64_t kv_stride, int64_t d, const int half) {
+                            int64_t kv_stride, int64_t d, const int half, const int pairs) {
     const char *k_bytes = k_cache;
     int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4);
     for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++)
         prefetch_bytes(k_bytes + slots[u] * row, vec);
     for (int u = 0; u < 8; u++)
         for (int64_t j = 0; j < d; j += 8)
-            _mm256_store_ps(kb + u * d + j,
+            _mm256_store_ps(kb + (pairs ? ((u / 2) * (d / 8) + j / 8) * 16 + (u % 2) * 8 : u * d + j),
                             l + u < n ? load_kv(k_cache, slots[l + u] * kv_stride + j, half) : _mm256_setzero_ps());
 }
 
@@ -332,6 +334,24 @@ INLINE_LOAD void score_keys8(const float *q, int64_t g, const float *kb, int64_t
     }
 }
 
+/* CALL(C, W) for heads c (1 .. 3) and vectors w (1 .. 4) as constants, so that each pairing
+ * inlines with its accumulators in registers (the value passes). */
+#define WITH_CONSTANTS(c, w, CALL)                                                                     \
+    switch ((c) * 4 + (w)) {                                                                           \
+    case 5: CALL(1, 1); break;                                                                         \
+    case 6: CALL(1, 2); break;                                                                         \
+    case 7: CALL(1, 3); break;                                                                         \
+    case 8: CALL(1, 4); break;                                                                         \
+    case 9: CALL(2, 1); break;                                                                         \
+    case 10: CALL(2, 2); break;                                                                        \
+    case 11: CALL(2, 3); break;                                                                        \
+    case 12: CALL(2, 4); break;                                                                        \
+    case 13: CALL(3, 1); break;                                                                        \
+    case 14: CALL(3, 2); break;                                                                        \
+    case 15: CALL(3, 3); break;                                                                        \
+    default: CALL(3, 4);                                                                               \
+    }
+
 /* The rest of attention over n keys once their scores are in: softmax, and out[h] = p[h] @ v,
  * 32 elements of 3 heads at a time (12 independent fma chains, all in registers); `ahead`
  * moves a line per key and pass. */
@@ -347,17 +367,7 @@ INLINE_LOAD void finish_heads(int64_t g, const void *v_cache, const int64_t *slo
             int w = d - j0 < 32 ? (int)(d - j0) / 8 : 4, pf = prefetch && j0 == 0;
 #define WEIGH(C, W) \
     weigh_values(p, ld_scores, C, v_cache, slots, n, kv_stride, j0, W, inv + h, out + h * d, d, half, pf, ahead)
-#define WEIGH_W(C)                     \
-    switch (w) {                       \
-    case 1: WEIGH(C, 1); break;        \
-    case 2: WEIGH(C, 2); break;        \
-    case 3: WEIGH(C, 3); break;        \
-    default: WEIGH(C, 4);              \
-    }
-            if (c == 1) WEIGH_W(1)
-            else if (c == 2) WEIGH_W(2)
-            else WEIGH_W(3)
-#undef WEIGH_W
+            WITH_CONSTANTS(c, w, WEIGH);
 #undef WEIGH
         }
     }
@@ -435,7 +445,7 @@ INLINE_LOAD void attend_rows(const float *q, int64_t ldq, int64_t rows, int64_t 
     /* Blocks start at multiples of 8, as the score rows' length does. A row that sees none of a
      * block's keys scores them anyway: its scores there are never read. */
     for (int64_t l = first_key(n0 + 1, window) / 8 * 8; l < n_max; l += 8) {
-        load_keys8(kb, k_cache, slots, l, n_max, kv_stride, d, half);
+        load_keys8(kb, k_cache, slots, l, n_max, kv_stride, d, half, 0);
         for (int64_t r = l < n0 + 1 ? 0 : l - n0; r < rows; r++) /* rows with a key in l .. l + 7 */
             score_keys8(q + r * ldq, g, kb, d, scale, scores + r * g * ld_scores, ld_scores, l);
     }
@@ -519,37 +529,13 @@ VNNI_INLINE void finish_heads_zmm(int64_t g, const void *v_cache, const int64_t 
             int w = d - j0 < 64 ? (int)(d - j0 + 15) / 16 : 4;
 #define WEIGH(C, W) \
     weigh_values_zmm(p, ld_scores, C, v_cache, slots, n, kv_stride, j0, W, inv + h, out + h * d, d, half)
-#define WEIGH_W(C)                     \
-    switch (w) {                       \
-    case 1: WEIGH(C, 1); break;        \
-    case 2: WEIGH(C, 2); break;        \
-    case 3: WEIGH(C, 3); break;        \
-    default: WEIGH(C, 4);              \
-    }
-            if (c == 1) WEIGH_W(1)
-            else if (c == 2) WEIGH_W(2)
-            else WEIGH_W(3)
-#undef WEIGH_W
+            WITH_CONSTANTS(c, w, WEIGH);
 #undef WEIGH
         }
     }
 }
 
-/* load_keys8 into pairs: kb[(p * d / 8 + s) * 16 ..] holds elements 8 s .. 8 s + 7 of key l + 2 p,
- * then of key l + 2 p + 1 (zeros at n and beyond). */
-VNNI_INLINE void load_keys8_pairs(float *kb, const void *k_cache, const int64_t *slots, int64_t l, int64_t n,
-                                  int64_t kv_stride, int64_t d, const int half) {
-    const char *k_bytes = k_cache;
-    int64_t row = kv_stride * (half ? 2 : 4), vec = d * (half ? 2 : 4);
-    for (int64_t u = l + PREFETCH_KEYS; u < l + PREFETCH_KEYS + 8 && u < n; u++)
-        prefetch_bytes(k_bytes + slots[u] * row, vec);
-    for (int u = 0; u < 8; u++)
-        for (int64_t j = 0; j < d; j += 8)
-            _mm256_store_ps(kb + ((u / 2) * (d / 8) + j / 8) * 16 + (u % 2) * 8,
-                            l + u < n ? load_kv(k_cache, slots[l + u] * kv_stride + j, half) : _mm256_setzero_ps());
-}
-
-/* score_keys8 on 512-bit registers, c (<= 3) heads, the keys as load_keys8_pairs leaves them. */
+/* score_keys8 on 512-bit registers, c (<= 3) heads, the keys as load_keys8 leaves them in pairs. */
 VNNI_INLINE void score_pairs8(const float *q, const int c, const float *kb, int64_t d, float scale, float *scores,
                               int64_t ld_scores, int64_t l) {
     __m512 acc[3][4];
@@ -572,7 +558,7 @@ VNNI_INLINE void attend_rows_zmm(const float *q, int64_t ldq, int64_t rows, int6
     float kb[8 * MAX_HEAD_DIM] __attribute__((aligned(64)));
     int64_t n_max = n0 + rows;
     for (int64_t l = first_key(n0 + 1, window) / 8 * 8; l < n_max; l += 8) {
-        load_keys8_pairs(kb, k_cache, slots, l, n_max, kv_stride, d, half);
+        load_keys8(kb, k_cache, slots, l, n_max, kv_stride, d, half, 1);
         for (int64_t r = l < n0 + 1 ? 0 : l - n0; r < rows; r++)
             for (int64_t h = 0; h < g; h += 3) {
                 const float *qh = q + r * ldq + h * d;
