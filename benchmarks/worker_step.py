@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import pstats
 import statistics
 import time
@@ -49,6 +48,7 @@ from pypto_serving.messages.worker import (
     WorkerConfig,
 )
 from pypto_serving.worker.kv_cache import bytes_per_block
+from pypto_serving.worker.main import freeze_loaded
 from pypto_serving.worker.model_runner import ModelRunner
 
 BLOCK = 16
@@ -116,8 +116,7 @@ def main() -> None:
     for model in args.model:
         path = str(resolve_short_name(model) or model)
         runner = runner_for(path, max(args.batch), args.quantization, args.activation_quantization)
-        gc.collect()  # as the server's worker does after loading (worker/main.py)
-        gc.freeze()
+        freeze_loaded()  # as the server's worker does after loading
         first = time_batches(runner, args)
         if args.linears:
             for kind, (ms, gbs) in time_linears(runner, args.steps).items():

@@ -120,7 +120,7 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
     except Exception as exc:  # reported to the parent, which exits with the message
         conn.send_bytes(encoder.encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
         return
-    _freeze_loaded()
+    freeze_loaded()
     conn.send_bytes(encoder.encode(
         WorkerReady(runner.num_blocks, runner.weight_bytes, runner.kv_cache_bytes, runner.kernels,
                     runner.activation_quantization, runner.budget.how, runner.graph_sizes)))
@@ -131,7 +131,7 @@ def _run(conn: object, cfg: WorkerConfig) -> None:
            cfg.parallel.tp)
 
 
-def _freeze_loaded() -> None:
+def freeze_loaded() -> None:
     """What loading made (modules, the model) lives as long as the process: out of the cyclic
     collector's sight, a full collection during a step walks only what steps made (it took
     ~3% of a prefill's time walking torch's and the model's objects). The price: a frozen
@@ -183,7 +183,7 @@ def follow(start: RankStart) -> None:
         log.error("tensor-parallel rank could not start", rank=start.rank,
                   error=f"{type(exc).__name__}: {exc}")
         sys.exit(1)
-    _freeze_loaded()
+    freeze_loaded()
     decoder = msgspec.msgpack.Decoder(StepPlan | Idle | Shutdown)
     try:
         while not isinstance(msg := decoder.decode(channel.receive()), Shutdown):

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "group_max.h"
 #include "prefetch.h"
 #include "vnni.h"
 
@@ -35,13 +36,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* [sum of v[0], ..., sum of v[7]] */
 static inline __m256 hsum8x8(const __m256 *v) {
     __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -64,7 +58,7 @@ void add_rms_norm(const float *x, float *residual, const float *weight, float ep
             }
             ss = _mm256_fmadd_ps(v, v, ss);
         }
-        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8f(ss) / (float)d + eps));
         for (int64_t j = 0; j < d; j += 8) {
             __m256 v = _mm256_mul_ps(_mm256_loadu_ps(r + j), inv);
             _mm256_storeu_ps(out + i * d + j, _mm256_mul_ps(v, _mm256_loadu_ps(weight + j)));
@@ -86,7 +80,7 @@ INLINE_LOAD __m256 inverse_rms(const float *r, int64_t d, float eps) {
         __m256 v = _mm256_loadu_ps(r + j);
         ss = _mm256_fmadd_ps(v, v, ss);
     }
-    return _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)d + eps));
+    return _mm256_set1_ps(1.0f / sqrtf(hsum8f(ss) / (float)d + eps));
 }
 
 /* n rows of d floats, in place: x = rms_norm(x) * weight (or * (1 + weight) with plus_one),
@@ -243,7 +237,7 @@ static inline float softmax_in_place(float *s, int64_t n) {
         _mm256_storeu_ps(s + l, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = hsum8(vsum);
+    float sum = hsum8f(vsum);
     for (; l < n; l++) {
         s[l] = expf(s[l] - mx);
         sum += s[l];

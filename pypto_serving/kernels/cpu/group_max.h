@@ -1,8 +1,15 @@
 /* The largest |x| of a group of 32 activations, shared by the kernels that quantize them
- * (qdot.c to int8, qhead.c to int16). */
+ * (qdot.c to int8, qhead.c to int16), and the float lane sum they and decoder.c take. */
 #ifndef PYPTO_GROUP_MAX_H
 #define PYPTO_GROUP_MAX_H
 #include <immintrin.h>
+
+/* v[0] + ... + v[7], as (lo half + hi half), then pairs: the one order every kernel sums in. */
+static inline __attribute__((always_inline)) float hsum8f(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 
 /* Loads p [32] into v [4] and returns max |p|, or 0 for a group below 1e-30 (zeros, so that
  * a reciprocal of it stays finite). */

@@ -129,12 +129,6 @@ INLINE int32_t hsum8(__m256i t) {
     return _mm_cvtsi128_si32(t4);
 }
 
-INLINE float hsum8f(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 INLINE __m256i pack32(__m256i i[4]) {
     __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     /* packs interleaves 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
