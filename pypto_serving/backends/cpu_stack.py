@@ -54,7 +54,8 @@ class _Chunk(ctypes.Structure):
 
 class _StepRows(ctypes.Structure):
     _fields_ = [("t", _I), ("slots", _P), ("n_decode", _I), ("decode_rows", _P), ("ctx_slots", _P),
-                ("lens", _P), ("max_len", _I), ("n_chunks", _I), ("chunks", ctypes.POINTER(_Chunk))]
+                ("lens", _P), ("max_len", _I), ("n_chunks", _I), ("chunks", ctypes.POINTER(_Chunk)),
+                ("n_out", _I), ("out_rows", _P)]
 
 
 class _Shape(ctypes.Structure):
@@ -197,9 +198,11 @@ class DecoderStack:
         """Decode rows come with their context lengths (the C attention's input)."""
         return (meta.decode_rows is None or meta.decode_lens is not None) and kv_caches is self._caches
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden], or with `out_rows`
+        (ascending int64 rows) those rows' only, [len(out_rows), hidden]: the last layer then
+        runs past its k/v write for them alone."""
         model = self._model
         x = model.embed_inputs(input_ids)  # becomes the residual stream
         cos, sin = rotary_cos_sin(model.rope, positions, x.dtype)  # [T, 1, d / 2] views
@@ -208,9 +211,16 @@ class DecoderStack:
         rows, keep = _step_rows(meta, x.shape[0])  # keep: what rows points into, alive till return
         keep.append(local)  # rows of head_dim / 2 floats, strided as cos and sin
         out = torch.empty_like(x)
+        if out_rows is not None:
+            out_rows = out_rows.to(torch.int64).contiguous()
+            keep.append(out_rows)
+            rows.n_out, rows.out_rows = out_rows.shape[0], out_rows.data_ptr()
+            out = x.new_empty(out_rows.shape[0], x.shape[1])
         status = self._lib.step_stack(ctypes.byref(self._shape), self._layers, ctypes.byref(rows),
                                       x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos2, sin2,
                                       cos.stride(0), out.data_ptr())
+        if status == -2:
+            raise ValueError(f"decoder stack: out_rows must ascend within the step's {x.shape[0]} rows")
         if status != 0:
             raise MemoryError(f"decoder stack: no memory for the scratch of a {x.shape[0]}-token step")
         return out
@@ -219,7 +229,7 @@ class DecoderStack:
 def _step_rows(meta: AttentionMetadata, tokens: int) -> tuple[_StepRows, list[object]]:
     """The C description of what each row attends to, and what its pointers point into."""
     slots = meta.slot_mapping.contiguous()
-    rows, keep = _StepRows(tokens, slots.data_ptr()), [slots]
+    rows, keep = _StepRows(tokens, slots.data_ptr(), n_out=-1), [slots]  # n_out -1: every row
     if meta.decode_rows is not None:
         ctx, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
         keep += [ctx, lens]

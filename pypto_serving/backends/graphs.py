@@ -143,14 +143,15 @@ class DecodeGraphs:
                 and meta.decode_slots.shape[1] <= self.spec.width
                 and padded_size(self.spec.sizes, meta.decode_lens.shape[0]) is not None)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [B] -> the final hidden states [B, hidden] (a view of the
-        graph's output: valid until the next replay)."""
+        graph's output: valid until the next replay), or `out_rows`' (every row is computed)."""
         b = input_ids.shape[0]
         n = padded_size(self.spec.sizes, b)
         self._inputs.fill(input_ids, positions, meta, self.scratch_slot)
-        return self._replays[n]()[:b]
+        hidden = self._replays[n]()[:b]
+        return hidden if out_rows is None else hidden[out_rows]
 
 
 class CudaCapture:

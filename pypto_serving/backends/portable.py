@@ -34,8 +34,10 @@ class StackRunner(Protocol):
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool: ...
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor: ...
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of every row, or of `out_rows` (ascending) only."""
+        ...
 
 
 class PortableBackend:

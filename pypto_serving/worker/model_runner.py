@@ -46,7 +46,7 @@ from pypto_serving.worker.kv_cache import (
 )
 from pypto_serving.worker.memory import module_bytes
 from pypto_serving.worker.progress import with_progress
-from pypto_serving.worker.prompt_logprobs import score_prompts
+from pypto_serving.worker.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, apply_scheduled, resolve_placeholders
 from pypto_serving.worker.speculative import kept, row_states, verify
@@ -141,9 +141,12 @@ class ModelRunner:
         tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars) \
             if sampled and not self.tp.rank else None
         self.backend.after_step(batch.attn.all_decode)
-        hidden = self._hidden(batch, self.kv_caches)
-        logits = self._sample_logits(batch, hidden)
-        prompt = score_prompts(seqs, states, hidden, self.model.compute_logits)
+        if wants_prompt_logprobs(seqs, states):  # every row's hidden state is read
+            hidden = self._hidden(batch, self.kv_caches)
+            logits = self._sample_logits(batch, hidden)
+            prompt = score_prompts(seqs, states, hidden, self.model.compute_logits)
+        else:  # the sampled rows' only: the stack runs the last layer past its k/v for those alone
+            logits, prompt = self._logits(self._hidden(batch, self.kv_caches, batch.sample_rows)), []
         if tensors is None:  # nothing sampled, or a rank other than 0 (it joined every collective)
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
         out, seq_ids = sample(logits, tensors, self.backend.argmax), batch.sample_seq_ids
@@ -159,13 +162,18 @@ class ModelRunner:
     def _sample_logits(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Only the sampled rows go through lm_head (and, for prompt logprobs, the prompt rows
         of the sequences that asked for them: score_prompts)."""
-        return self.model.compute_logits(hidden[batch.sample_rows]).float()
+        return self._logits(hidden[batch.sample_rows])
 
-    def _hidden(self, batch: StepBatch, kv_caches: list[LayerCache]) -> torch.Tensor:
-        """The final hidden states of every row of the step."""
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).float()
+
+    def _hidden(self, batch: StepBatch, kv_caches: list[LayerCache],
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of every row of the step, or of `rows` (ascending) only."""
         if self.stack is not None and self.stack.applies(batch.attn, kv_caches):
-            return self.stack(batch.input_ids, batch.positions, batch.attn)
-        return self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)
+            return self.stack(batch.input_ids, batch.positions, batch.attn, rows)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, kv_caches)
+        return hidden if rows is None else hidden[rows]
 
     def _allocate(self, num_blocks: int) -> list[LayerCache]:
         arch, bs = self.model.local_arch, self.block_size

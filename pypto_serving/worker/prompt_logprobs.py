@@ -20,15 +20,25 @@ PIECE_ROWS = 256
 Logits = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, H] -> logits [N, V]
 
 
+def _scores_prompt(s: ScheduledSeq, st: SeqState) -> bool:
+    """`s`'s chunk covers prompt tokens and its sequence asked for their logprobs."""
+    return st.sampling.prompt_logprobs is not None and s.start_pos < st.num_prompt_tokens
+
+
+def wants_prompt_logprobs(seqs: list[ScheduledSeq], states: list[SeqState]) -> bool:
+    """Whether score_prompts reads hidden states of this step (any chunk's rows)."""
+    return any(_scores_prompt(s, st) for s, st in zip(seqs, states, strict=True))
+
+
 def score_prompts(seqs: list[ScheduledSeq], states: list[SeqState], hidden: torch.Tensor,
                   logits: Logits) -> list[PromptLogprobs]:
     """The prompt logprobs this step's chunks give (none when no chunk of a sequence that
     asked covers prompt tokens); `hidden` has every row of the step."""
     out, begin = [], 0
     for s, st in zip(seqs, states, strict=True):
-        n, k = len(s.token_ids), st.sampling.prompt_logprobs
-        if k is not None and s.start_pos < st.num_prompt_tokens:
-            scored = _score_chunk(s, st, hidden[begin:begin + n], logits, k)
+        n = len(s.token_ids)
+        if _scores_prompt(s, st):
+            scored = _score_chunk(s, st, hidden[begin:begin + n], logits, st.sampling.prompt_logprobs)
             if scored is not None:
                 out.append(scored)
         begin += n

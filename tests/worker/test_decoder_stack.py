@@ -119,3 +119,39 @@ def test_mixed_activations_give_the_last_layer_int16_in_both_paths(driver) -> No
     assert len(layers) > 2
     assert kinds == [{"mixed"}] * (len(layers) - 1) + [{"int16"}]
     assert [layer.planes for layer in d.runner.stack._layers] == [3] * (len(layers) - 1) + [2]
+
+
+@pytest.mark.parametrize(("name", "activations"), [("llama", "mixed"), ("gemma3", "int8"), ("qwen3", "none")])
+def test_the_last_layer_runs_for_the_rows_read_only(driver, name: str, activations: str) -> None:
+    """The runner asks the stack for the sampled rows' hidden states only (a prefill chunk's last
+    row, none of a chunk that does not end its prompt): it returns those rows alone, each equal
+    bit for bit to the same row of a run over every row, and still writes every row's k/v in the
+    last layer (the later steps' logits, compared with the per-layer path above, read them)."""
+    d, _ = driver(name, quantization="int4", activation_quantization=activations)
+    stack, asked = d.runner.stack, []
+
+    def checked(ids, positions, meta, rows=None):
+        got = stack(ids, positions, meta, rows)
+        if rows is not None:
+            full = stack(ids, positions, meta)  # writes the same k/v again
+            assert got.shape == (rows.shape[0], full.shape[1])
+            assert torch.equal(got, full[rows])
+            asked.append((rows.shape[0], ids.shape[0]))
+        return got
+
+    d.runner.stack = type("Checked", (), {"applies": lambda self, *a: stack.applies(*a),
+                                          "__call__": lambda self, *a: checked(*a)})()
+    steps_of_every_kind(d)
+    assert (3, 26) in asked  # the first prefill: three prompts' last rows of 26
+    assert (3, 8) in asked  # a 5-row chunk that does not end its prompt next to three decode rows
+
+
+def test_the_stack_refuses_rows_out_of_order(driver) -> None:
+    d, _ = driver("llama", quantization="int4", activation_quantization="int8")
+    stack, seen = d.runner.stack, []
+    d.runner.stack = type("Flipped", (), {
+        "applies": lambda self, *a: stack.applies(*a),
+        "__call__": lambda self, ids, pos, meta, rows=None: seen.append(1) or stack(ids, pos, meta, rows.flip(0))})()
+    with pytest.raises(ValueError, match="ascend"):
+        d.step([d.add(i, p, len(p)) for i, p in enumerate(PROMPTS[:2])])
+    assert seen

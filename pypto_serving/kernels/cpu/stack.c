@@ -76,7 +76,8 @@ typedef struct {
 /* What each of the step's t rows attends to. slots [t]: where each row's k and v go.
  * Single-query rows: decode_rows [n_decode] (NULL: rows 0 .. n_decode - 1, every row of the
  * step), their context slots ctx_slots [n_decode, max_len] (padded) and lengths lens
- * [n_decode]. Then n_chunks prefill chunks. */
+ * [n_decode]. Then n_chunks prefill chunks. The rows whose final hidden states the caller
+ * reads: out_rows [n_out], ascending (n_out < 0: every row). */
 typedef struct {
     int64_t t;
     const int64_t *slots;
@@ -84,6 +85,8 @@ typedef struct {
     const int64_t *decode_rows, *ctx_slots, *lens;
     int64_t max_len, n_chunks;
     const Chunk *chunks;
+    int64_t n_out;
+    const int64_t *out_rows;
 } StepRows;
 
 /* The layout of the structs above, which backends/cpu_stack.py mirrors as ctypes structs and
@@ -103,7 +106,8 @@ int64_t stack_layout(int64_t *out, int64_t cap) {
         sizeof(Chunk), FIELD(Chunk, start), FIELD(Chunk, n), FIELD(Chunk, ctx_slots), FIELD(Chunk, n_ctx), -1,
         sizeof(StepRows), FIELD(StepRows, t), FIELD(StepRows, slots), FIELD(StepRows, n_decode),
         FIELD(StepRows, decode_rows), FIELD(StepRows, ctx_slots), FIELD(StepRows, lens),
-        FIELD(StepRows, max_len), FIELD(StepRows, n_chunks), FIELD(StepRows, chunks), -1,
+        FIELD(StepRows, max_len), FIELD(StepRows, n_chunks), FIELD(StepRows, chunks), FIELD(StepRows, n_out),
+        FIELD(StepRows, out_rows), -1,
         sizeof(Shape), FIELD(Shape, layers), FIELD(Shape, hidden), FIELD(Shape, heads),
         FIELD(Shape, kv_heads), FIELD(Shape, head_dim), FIELD(Shape, intermediate), FIELD(Shape, kv_half),
         FIELD(Shape, gemma), FIELD(Shape, eps), FIELD(Shape, scale), FIELD(Shape, final_norm), -1,
@@ -159,34 +163,88 @@ typedef struct {
     DecodeScratch ds;
 } Scratch;
 
-/* The Llama layer: the residual add fused into the next norm (layer 0 normalizes the
- * embeddings; later layers add the last MLP output first, left in s->proj). */
-static int64_t llama_layer(const Shape *sh, const Layer *L, int64_t l, const StepRows *r, float *residual,
-                           const float *cos, const float *sin, int64_t ld_cs, const Scratch *s) {
-    int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
+/* The rows' attention where only out_rows [n_out] are read on (the last layer's, when the
+ * caller reads fewer rows than the step has): each gathered as a single-query row over its own
+ * context, a prefill row's being its chunk's context up to itself, into out [n_out, heads * d].
+ * decode_attention gives a prefill row exactly what prefill_attention gives it (the prefill
+ * tiles repeat its arithmetic), so the rows' results do not change. Returns nonzero when out of
+ * memory. */
+static int64_t attend_out_rows(const Shape *sh, const Layer *L, const StepRows *r, const float *qkv, int64_t width,
+                               float *out) {
+    int64_t n = r->n_out, d = sh->head_dim, aw = sh->heads * d, longest = 1;
+    const int64_t **ctx = malloc(n * sizeof *ctx);
+    int64_t *lens = malloc(n * sizeof *lens);
+    if (!ctx || !lens) return free(ctx), free(lens), -1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t row = r->out_rows[i];
+        ctx[i] = NULL, lens[i] = 0;
+        for (int64_t j = 0; j < r->n_decode && !ctx[i]; j++)
+            if ((r->decode_rows ? r->decode_rows[j] : j) == row)
+                ctx[i] = r->ctx_slots + j * r->max_len, lens[i] = r->lens[j];
+        for (int64_t c = 0; c < r->n_chunks && !ctx[i]; c++) {
+            const Chunk *ch = r->chunks + c;
+            if (row >= ch->start && row < ch->start + ch->n)
+                ctx[i] = ch->ctx_slots, lens[i] = ch->n_ctx - ch->n + (row - ch->start) + 1;
+        }
+        if (!ctx[i]) return free(ctx), free(lens), -1; /* not a row of the step's description */
+        if (lens[i] > longest) longest = lens[i];
+    }
+    int64_t *slots = malloc(n * longest * sizeof *slots);
+    float *q = malloc(n * aw * sizeof *q), *scores = malloc(decode_scores_len(n, sh->heads, longest) * sizeof *scores);
+    int64_t failed = !slots || !q || !scores;
+    if (!failed) {
+        for (int64_t i = 0; i < n; i++) {
+            memcpy(slots + i * longest, ctx[i], lens[i] * sizeof *slots);
+            memcpy(q + i * aw, qkv + r->out_rows[i] * width, aw * sizeof *q);
+        }
+        decode_attention(q, aw, n, sh->heads, sh->kv_heads, d, L->k_cache, L->v_cache, slots, longest, lens,
+                         sh->scale, scores, out, sh->kv_half, L->window);
+    }
+    free(ctx), free(lens), free(slots), free(q), free(scores);
+    return failed ? -1 : 0;
+}
+
+/* The Llama layer up to its attention: the residual add fused into the norm (layer 0
+ * normalizes the embeddings; later layers add the last MLP output first, left in s->proj),
+ * then the projection, q/k norms, rotary and the k/v write, for every row. */
+static int64_t llama_front(const Shape *sh, const Layer *L, int64_t l, int64_t t, const StepRows *r,
+                           float *residual, const float *cos, const float *sin, int64_t ld_cs, const Scratch *s) {
+    int64_t hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
     add_rms_norm(l ? s->proj : NULL, residual, L->input_norm, sh->eps, t, hidden, s->normed);
     if (linear(L, &L->qkv, s->normed, t, s->qkv)) return -1;
     if (L->q_norm) qk_norm(s->qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
     rope_write_kv(s->qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
                   sh->kv_half);
-    if (attend(sh, L, r, s->qkv, width, &s->ds, s->attn) || linear(L, &L->o, s->attn, t, s->proj)) return -1;
-    add_rms_norm(s->proj, residual, L->post_norm, sh->eps, t, hidden, s->normed);
+    return 0;
+}
+
+/* The Llama layer after its attention (s->attn, t rows): output projection and MLP, whose
+ * output is left in s->proj for the next norm. */
+static int64_t llama_back(const Shape *sh, const Layer *L, int64_t t, float *residual, const Scratch *s) {
+    if (linear(L, &L->o, s->attn, t, s->proj)) return -1;
+    add_rms_norm(s->proj, residual, L->post_norm, sh->eps, t, sh->hidden, s->normed);
     if (linear(L, &L->gate_up, s->normed, t, s->gate_up)) return -1;
     silu_and_mul(s->gate_up, t, sh->intermediate, s->act);
     return linear(L, &L->down, s->act, t, s->proj);
 }
 
-/* Gemma 3's layer: each block's output is normed before it joins the residual, and the MLP
- * has a norm before it too; the kernels and their order are Gemma3DecoderLayer's. */
-static int64_t gemma_layer(const Shape *sh, const Layer *L, const StepRows *r, float *residual, const float *cos,
-                           const float *sin, int64_t ld_cs, const Scratch *s) {
-    int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
-    gemma_rms_norm(residual, NULL, L->input_norm, sh->eps, t, hidden, s->normed);
+/* Gemma 3's layer up to its attention: each block's output is normed before it joins the
+ * residual, and the MLP has a norm before it too; the kernels and their order are
+ * Gemma3DecoderLayer's. */
+static int64_t gemma_front(const Shape *sh, const Layer *L, int64_t t, const StepRows *r, const float *residual,
+                           const float *cos, const float *sin, int64_t ld_cs, const Scratch *s) {
+    int64_t d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
+    gemma_rms_norm(residual, NULL, L->input_norm, sh->eps, t, sh->hidden, s->normed);
     if (linear(L, &L->qkv, s->normed, t, s->qkv)) return -1;
     gemma_qk_norm(s->qkv, t, width, sh->heads, sh->kv_heads, d, L->q_norm, L->k_norm, sh->eps);
     rope_write_kv(s->qkv, t, sh->heads, sh->kv_heads, d, cos, sin, ld_cs, r->slots, L->k_cache, L->v_cache,
                   sh->kv_half);
-    if (attend(sh, L, r, s->qkv, width, &s->ds, s->attn) || linear(L, &L->o, s->attn, t, s->proj)) return -1;
+    return 0;
+}
+
+static int64_t gemma_back(const Shape *sh, const Layer *L, int64_t t, float *residual, const Scratch *s) {
+    int64_t hidden = sh->hidden;
+    if (linear(L, &L->o, s->attn, t, s->proj)) return -1;
     gemma_rms_norm(s->proj, residual, L->post_norm, sh->eps, t, hidden, residual);
     gemma_rms_norm(residual, NULL, L->pre_ff_norm, sh->eps, t, hidden, s->normed);
     if (linear(L, &L->gate_up, s->normed, t, s->gate_up)) return -1;
@@ -198,11 +256,18 @@ static int64_t gemma_layer(const Shape *sh, const Layer *L, const StepRows *r, f
 
 /* x [t, hidden]: the embeddings of the step's tokens (overwritten: it becomes the residual).
  * cos/sin rows [t] with row stride ld_cs; cos2/sin2 the same for sliding-window layers (NULL
- * when none is one). out [t, hidden]: final-normed hidden.
- * Returns 0, or -1 when its scratch memory cannot be allocated. */
+ * when none is one). out: final-normed hidden, [t, hidden], or with r->n_out >= 0 the out rows'
+ * [n_out, hidden] in their order. Then the last layer runs past its k/v write for those rows
+ * only (no other row's hidden state is read on: a prefill chunk's rows but its last, or all of
+ * a chunk that does not end its prompt): per row the same arithmetic, so the same results.
+ * Returns 0, -1 when its scratch memory cannot be allocated, -2 when out_rows is not ascending
+ * within 0 .. t - 1. */
 int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, float *x, const float *cos,
                    const float *sin, const float *cos2, const float *sin2, int64_t ld_cs, float *out) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
+    int64_t n_out = r->n_out >= 0 && r->n_out < t ? r->n_out : -1; /* -1: every row, in place */
+    for (int64_t i = 0; i < n_out; i++)
+        if (r->out_rows[i] < (i ? r->out_rows[i - 1] + 1 : 0) || r->out_rows[i] >= t) return -2;
     int64_t attn_width = sh->heads * d, gathered = r->decode_rows ? r->n_decode * attn_width : 0;
     int64_t shared = width + attn_width > 3 * sh->intermediate ? width + attn_width : 3 * sh->intermediate;
     size_t floats = (size_t)t * (hidden * 2 + shared) + 2 * gathered +
@@ -217,15 +282,29 @@ int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, floa
     s.ds.q = s.ds.scores + decode_scores_len(r->n_decode, sh->heads, r->max_len);
     s.ds.out = s.ds.q + gathered;
     float *residual = x;
-    int64_t failed = 0;
+    int64_t failed = 0, rows = n_out >= 0 ? n_out : t;
     for (int64_t l = 0; l < sh->layers && !failed; l++) {
         const Layer *L = layers + l;
         const float *c = L->window ? cos2 : cos, *sn = L->window ? sin2 : sin;
-        failed = sh->gemma ? gemma_layer(sh, L, r, residual, c, sn, ld_cs, &s)
-                           : llama_layer(sh, L, l, r, residual, c, sn, ld_cs, &s);
+        failed = sh->gemma ? gemma_front(sh, L, t, r, residual, c, sn, ld_cs, &s)
+                           : llama_front(sh, L, l, t, r, residual, c, sn, ld_cs, &s);
+        if (failed) break;
+        if (l == sh->layers - 1 && n_out >= 0) {
+            if (n_out == 0) break; /* only the k/v write was wanted */
+            failed = attend_out_rows(sh, L, r, s.qkv, width, s.attn);
+            /* the out rows' residuals to rows 0 .. n_out - 1: ascending, so none is overwritten
+             * before it is read */
+            for (int64_t i = 0; i < n_out && !failed; i++)
+                if (r->out_rows[i] != i) memcpy(residual + i * hidden, residual + r->out_rows[i] * hidden,
+                                                hidden * sizeof(float));
+        } else {
+            failed = attend(sh, L, r, s.qkv, width, &s.ds, s.attn);
+        }
+        int64_t n = l == sh->layers - 1 ? rows : t;
+        if (!failed) failed = sh->gemma ? gemma_back(sh, L, n, residual, &s) : llama_back(sh, L, n, residual, &s);
     }
-    if (!failed && sh->gemma) gemma_rms_norm(residual, NULL, sh->final_norm, sh->eps, t, hidden, out);
-    else if (!failed) add_rms_norm(s.proj, residual, sh->final_norm, sh->eps, t, hidden, out);
+    if (!failed && rows && sh->gemma) gemma_rms_norm(residual, NULL, sh->final_norm, sh->eps, rows, hidden, out);
+    else if (!failed && rows) add_rms_norm(s.proj, residual, sh->final_norm, sh->eps, rows, hidden, out);
     free(buf);
     return failed ? -1 : 0;
 }
