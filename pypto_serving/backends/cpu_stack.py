@@ -25,7 +25,7 @@ import torch
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.cpu.decoder import MAX_HEAD_DIM
 from pypto_serving.kernels.cpu.qlinear import ACTIVATION_PLANES  # each layer's planes
-from pypto_serving.kernels.quant_linear import PANEL
+from pypto_serving.kernels.quant_linear import PANEL, symmetric_grid
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.llama import CausalLM, LlamaForCausalLM
@@ -121,10 +121,12 @@ def check_layout(lib: ctypes.CDLL, mirrored: Mirrors | None = None) -> None:
                            "(change both together): " + "; ".join(problems))
 
 
-def _qlinear(m: torch.nn.Module) -> _QLinear:
+def _qlinear(m: torch.nn.Module, planes: int) -> _QLinear:
+    """With quantized activations (planes > 0) no zeros on a symmetric grid: qdot.c computes them."""
     w = m.weight.packed
     bias = m._panel_bias
-    return _QLinear(w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(),
+    zero = None if planes and symmetric_grid(w) else w.zero.data_ptr()
+    return _QLinear(w.q.data_ptr(), w.scale.data_ptr(), zero,
                     None if bias is None else bias.data_ptr(), w.k, w.q.shape[0], w.bits)
 
 
@@ -138,11 +140,11 @@ def _layer(layer: torch.nn.Module, kv: KVCache, gemma: bool) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     ff_norms = (layer.pre_feedforward_layernorm.weight.data_ptr(),
                 layer.post_feedforward_layernorm.weight.data_ptr()) if gemma else (None, None)
-    window = layer.window if gemma else 0
+    window, planes = layer.window if gemma else 0, ACTIVATION_PLANES[attn.qkv_proj.kernels.activations]
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                  *_qk_norms(attn), *ff_norms, _qlinear(attn.qkv_proj), _qlinear(attn.o_proj),
-                  _qlinear(mlp.gate_up_proj), _qlinear(mlp.down_proj), kv[0].data_ptr(), kv[1].data_ptr(),
-                  window, ACTIVATION_PLANES[attn.qkv_proj.kernels.activations])
+                  *_qk_norms(attn), *ff_norms, *(_qlinear(m, planes) for m in linears),
+                  kv[0].data_ptr(), kv[1].data_ptr(), window, planes)
 
 
 def _fills_panels(m: torch.nn.Module) -> bool:

@@ -100,6 +100,16 @@ def probe_rows(w: torch.Tensor) -> torch.Tensor:
     return probe
 
 
+def symmetric_grid(w: PackedWeight) -> bool:
+    """Every zero is its group's level midpoint times its scale, exactly: 0 for int8 panels
+    (signed levels), -16 scale for int5 packed from Q5_0 (-8 scale for int4). The
+    int8-activation kernels then compute the zeros from the scales instead of reading them: a
+    sixth to a tenth fewer bytes per decode step on such panels."""
+    if w.bits == 8:
+        return not w.zero.any()
+    return torch.equal(w.zero.float(), w.scale.float() * -(1 << (w.bits - 1)))
+
+
 def _q_range(bits: int) -> tuple[int, int]:
     return (-127, 127) if bits == 8 else (0, LEVELS[bits])
 

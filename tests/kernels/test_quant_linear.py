@@ -473,3 +473,33 @@ def test_gguf_k_grids_pack_onto_their_own_step() -> None:
     assert error < 0.01
     _, error = pack(torch.randn(n, k), 4)
     assert 0.4 < error <= 0.5
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [5, 8])
+@pytest.mark.parametrize("planes", ["int8", "int16", "mixed"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_symmetric_grids_zeros_are_computed_not_read(bits: int, planes: str, m: int) -> None:
+    """Q5_0 and Q8_0 weights pack onto symmetric grids (zero = -16 scale, 0): the int8-activation
+    kernels compute those zeros from the scales, so a decode step does not stream them. The
+    results stay the same bit for bit, and spoiling the stored zeros afterwards changes nothing
+    (nothing reads them); a grid with zeros of its own (Q4_1) keeps reading them."""
+    from pypto_serving.kernels.cpu import qlinear
+    from pypto_serving.kernels.quant_linear import symmetric_grid
+
+    kernel = {"int8": qlinear.quant_linear_cpu_q8, "int16": qlinear.quant_linear_cpu_q16,
+              "mixed": qlinear.quant_linear_cpu_mixed}[planes]
+    x = torch.randn(m, 256)
+    x[:, 7] *= 50  # an outlier channel: mixed activations widen its group
+    packed, _ = pack(on_grid(40, 256, bits), bits)
+    stored = pack(on_grid(40, 256, bits), bits)[0]
+    qlinear._ARGS[stored] = (qlinear._weight_args(stored),) * 2  # reads its stored zeros
+    assert symmetric_grid(packed)
+    want = kernel(x, stored)
+    assert torch.equal(kernel(x, packed), want)
+    packed.zero.fill_(float("nan"))
+    assert torch.equal(kernel(x, packed), want)
+    asymmetric, _ = pack(on_grid(40, 256, 4), 4)
+    assert not symmetric_grid(asymmetric)
+    asymmetric.zero.fill_(float("nan"))
+    assert kernel(x, asymmetric).isnan().all()

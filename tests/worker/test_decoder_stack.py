@@ -149,9 +149,12 @@ def test_the_last_layer_runs_for_the_rows_read_only(driver, name: str, activatio
 def test_the_stack_refuses_rows_out_of_order(driver) -> None:
     d, _ = driver("llama", quantization="int4", activation_quantization="int8")
     stack, seen = d.runner.stack, []
-    d.runner.stack = type("Flipped", (), {
-        "applies": lambda self, *a: stack.applies(*a),
-        "__call__": lambda self, ids, pos, meta, rows=None: seen.append(1) or stack(ids, pos, meta, rows.flip(0))})()
+    def flipped(ids, positions, meta, rows=None):
+        seen.append(1)
+        return stack(ids, positions, meta, rows.flip(0))
+
+    d.runner.stack = type("Flipped", (), {"applies": lambda self, *a: stack.applies(*a),
+                                          "__call__": lambda self, *a: flipped(*a)})()
     with pytest.raises(ValueError, match="ascend"):
         d.step([d.add(i, p, len(p)) for i, p in enumerate(PROMPTS[:2])])
     assert seen

@@ -37,6 +37,14 @@
 
 INLINE __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* The zeros of 8 rows at zero + i, or without stored zeros (NULL: a symmetric grid, GGUF's
+ * Q4_0, Q5_0 and Q8_0) their levels' midpoint, -2^(bits - 1) scale (int8 levels are signed:
+ * 0). Exact either way where the stored zeros are that (a power of two times an fp16). */
+INLINE __m256 zeros8(const uint16_t *zero, int64_t i, __m256 scale, const int bits) {
+    if (zero) return half8(zero + i);
+    return bits == 8 ? _mm256_setzero_ps() : _mm256_mul_ps(scale, _mm256_set1_ps(-(float)(1 << (bits - 1))));
+}
+
 /* 4-bit panel, k .. k+3: 32 bytes, byte 4 r + i = row r (low nibble) and row r + 8 (high) at k + i. */
 INLINE void quads4(const uint8_t *q, int64_t k, __m256i *a, __m256i *b) {
     __m256i v = _mm256_loadu_si256((const __m256i *)(q + k * 8));
@@ -292,8 +300,8 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
             d1 = planes_dot(d1, widen(l1, bits));
         }
         __m256 s0 = half8(scale + g * NB), s1 = half8(scale + g * NB + 8);
-        acc0 = group_step(acc0, d0, x->d[g], x->sx[g], s0, half8(zero + g * NB));
-        acc1 = group_step(acc1, d1, x->d[g], x->sx[g], s1, half8(zero + g * NB + 8));
+        acc0 = group_step(acc0, d0, x->d[g], x->sx[g], s0, zeros8(zero, g * NB, s0, bits));
+        acc1 = group_step(acc1, d1, x->d[g], x->sx[g], s1, zeros8(zero, g * NB + 8, s1, bits));
         if (two && x->wide) {
             lo0 = lo_step(lo0, widen(l0, bits), x->d[g], s0);
             lo1 = lo_step(lo1, widen(l1, bits), x->d[g], s1);
@@ -313,9 +321,10 @@ static void gemv(const Rows *x, int64_t k, int64_t n_blocks, const uint8_t *q, c
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < n_blocks; nb++) {
         const float *bb = bias ? bias + nb * NB : 0;
-        if (bits == 4) row_panel(x, q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, 4, k, y + nb * NB, bb);
-        else if (bits == 5) row_panel(x, q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, 5, k, y + nb * NB, bb);
-        else row_panel(x, q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, 8, k, y + nb * NB, bb);
+        const uint16_t *zb = z ? z + nb * groups * NB : 0;
+        if (bits == 4) row_panel(x, q + nb * qbytes, s + nb * groups * NB, zb, 4, k, y + nb * NB, bb);
+        else if (bits == 5) row_panel(x, q + nb * qbytes, s + nb * groups * NB, zb, 5, k, y + nb * NB, bb);
+        else row_panel(x, q + nb * qbytes, s + nb * groups * NB, zb, 8, k, y + nb * NB, bb);
     }
 }
 
@@ -692,7 +701,8 @@ VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t 
             if (two) l = dot_vnni(l, w, negative, x->lo + k, bits);
         }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * NB)));
-        const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zero + g * NB)));
+        const __m512 z = zero ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zero + g * NB)))
+                       : bits == 8 ? _mm512_setzero_ps() : _mm512_mul_ps(s, _mm512_set1_ps(-(float)(1 << (bits - 1))));
         acc = group_step_vnni(acc, two && !x->wide ? planes_dot_vnni(t, l) : t, x->d[g], x->sx[g], s, z);
         if (two && x->wide) lo = lo_step_vnni(lo, l, x->d[g], s);
     }
@@ -708,7 +718,7 @@ __attribute__((noinline, target(VNNI_TARGET))) static void gemv_vnni(const Rows 
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < n_blocks; nb++) {
         const float *bb = bias ? bias + nb * NB : 0;
-        const uint16_t *sb = s + nb * groups * NB, *zb = z + nb * groups * NB;
+        const uint16_t *sb = s + nb * groups * NB, *zb = z ? z + nb * groups * NB : 0;
         if (bits == 4) row_panel_vnni(x, q + nb * qbytes, sb, zb, 4, k, y + nb * NB, bb);
         else if (bits == 5) row_panel_vnni(x, q + nb * qbytes, sb, zb, 5, k, y + nb * NB, bb);
         else row_panel_vnni(x, q + nb * qbytes, sb, zb, 8, k, y + nb * NB, bb);
@@ -909,8 +919,9 @@ static Panel panel_prepare(const uint8_t *q, const uint16_t *scale, const uint16
     float *sz = (float *)(scratch + levels);
     for (int64_t g = 0; g < groups; g++)
         for (int h = 0; h < NB; h += 8) {
-            _mm256_store_ps(sz + g * 2 * NB + h, half8(scale + g * NB + h));
-            _mm256_store_ps(sz + g * 2 * NB + NB + h, half8(zero + g * NB + h));
+            __m256 s8 = half8(scale + g * NB + h);
+            _mm256_store_ps(sz + g * 2 * NB + h, s8);
+            _mm256_store_ps(sz + g * 2 * NB + NB + h, zeros8(zero, g * NB + h, s8, bits));
         }
     return p;
 }
@@ -931,7 +942,7 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
 #pragma omp for schedule(guided) nowait
     for (int64_t nb = 0; nb < n_blocks; nb++) {
         if (failed) continue;
-        Panel p = panel_prepare(q + nb * qbytes, s + nb * groups * NB, z + nb * groups * NB, bits, k);
+        Panel p = panel_prepare(q + nb * qbytes, s + nb * groups * NB, z ? z + nb * groups * NB : 0, bits, k);
         if (!p.quads) {
             failed = 1;
             continue;
@@ -940,7 +951,7 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
         const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
         if (next) { /* the next panel's scales and zeros, which panel_prepare reads first */
             prefetch_bytes(s + (nb + 1) * groups * NB, groups * NB * 2);
-            prefetch_bytes(z + (nb + 1) * groups * NB, groups * NB * 2);
+            if (z) prefetch_bytes(z + (nb + 1) * groups * NB, groups * NB * 2);
         }
         if (bits == 4) panel_rows(x, wide, m, p, 4, k, y + nb * NB, ldy, b, next);
         else if (bits == 5) panel_rows(x, wide, m, p, 5, k, y + nb * NB, ldy, b, next);

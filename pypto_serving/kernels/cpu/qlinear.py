@@ -15,18 +15,22 @@ import weakref
 import torch
 
 from pypto_serving.kernels.cpu import library
-from pypto_serving.kernels.quant_linear import PANEL, PackedWeight
+from pypto_serving.kernels.quant_linear import PANEL, PackedWeight, symmetric_grid
 
-_ARGS: weakref.WeakKeyDictionary[PackedWeight, tuple] = weakref.WeakKeyDictionary()
+_ARGS: weakref.WeakKeyDictionary[PackedWeight, tuple[tuple, tuple]] = weakref.WeakKeyDictionary()
 
 
-def _weight_args(w: PackedWeight) -> tuple:
-    """(k, n_blocks, q, scale, zero, bits) as ctypes values; `w` keeps its tensors alive."""
-    args = _ARGS.get(w)
-    if args is None:
-        ptrs = (ctypes.c_void_p(t.data_ptr()) for t in (w.q, w.scale, w.zero))
-        args = _ARGS[w] = (ctypes.c_int64(w.k), ctypes.c_int64(w.q.shape[0]), *ptrs, ctypes.c_int64(w.bits))
-    return args
+def _weight_args(w: PackedWeight, quantized: bool = False) -> tuple:
+    """(k, n_blocks, q, scale, zero, bits) as ctypes values; `w` keeps its tensors alive. For
+    the int8-activation kernels (`quantized`) zero is NULL on a symmetric grid: they compute
+    the zeros from the scales (`symmetric_grid`)."""
+    both = _ARGS.get(w)
+    if both is None:
+        ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (w.q, w.scale, w.zero)]
+        args = (ctypes.c_int64(w.k), ctypes.c_int64(w.q.shape[0]), *ptrs, ctypes.c_int64(w.bits))
+        zero = ctypes.c_void_p(None) if symmetric_grid(w) else ptrs[2]
+        both = _ARGS[w] = args, (*args[:4], zero, args[5])
+    return both[quantized]
 
 
 # qdot.c's `planes` for each --activation-quantization (also the C stack's and fused MoE's):
@@ -74,7 +78,7 @@ def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
         return _linear(planes, x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
     if not x.is_contiguous():
         x = x.contiguous()
-    args = _weight_args(w)
+    args = _weight_args(w, quantized=planes > 0)
     out = torch.empty(x.shape[0], args[1].value * PANEL)
     if x.shape[0]:
         lib, b = library(), bias if bias is None else bias.data_ptr()
