@@ -24,8 +24,8 @@ import torch
 
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.cpu.decoder import MAX_HEAD_DIM
-from pypto_serving.kernels.cpu.qlinear import ACTIVATION_PLANES  # each layer's planes
-from pypto_serving.kernels.quant_linear import PANEL, symmetric_grid
+from pypto_serving.kernels.cpu.qlinear import ACTIVATION_PLANES, weight_args  # each layer's planes
+from pypto_serving.kernels.quant_linear import PANEL
 from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.llama import CausalLM, LlamaForCausalLM
@@ -125,7 +125,7 @@ def _qlinear(m: torch.nn.Module, planes: int) -> _QLinear:
     """With quantized activations (planes > 0) no zeros on a symmetric grid: qdot.c computes them."""
     w = m.weight.packed
     bias = m._panel_bias
-    zero = None if planes and symmetric_grid(w) else w.zero.data_ptr()
+    zero = weight_args(w, quantized=planes > 0)[4].value
     return _QLinear(w.q.data_ptr(), w.scale.data_ptr(), zero,
                     None if bias is None else bias.data_ptr(), w.k, w.q.shape[0], w.bits)
 
@@ -212,8 +212,9 @@ class DecoderStack:
         cos2, sin2 = (None, None) if local is None else (local[0].data_ptr(), local[1].data_ptr())
         rows, keep = _step_rows(meta, x.shape[0])  # keep: what rows points into, alive till return
         keep.append(local)  # rows of head_dim / 2 floats, strided as cos and sin
-        out = torch.empty_like(x)
-        if out_rows is not None:
+        if out_rows is None:
+            out = torch.empty_like(x)
+        else:
             out_rows = out_rows.to(torch.int64).contiguous()
             keep.append(out_rows)
             rows.n_out, rows.out_rows = out_rows.shape[0], out_rows.data_ptr()
@@ -222,7 +223,8 @@ class DecoderStack:
                                       x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos2, sin2,
                                       cos.stride(0), out.data_ptr())
         if status == -2:
-            raise ValueError(f"decoder stack: out_rows must ascend within the step's {x.shape[0]} rows")
+            raise ValueError(f"decoder stack: out_rows must be rows of the step's {x.shape[0]}, "
+                             "strictly ascending")
         if status != 0:
             raise MemoryError(f"decoder stack: no memory for the scratch of a {x.shape[0]}-token step")
         return out
@@ -231,7 +233,7 @@ class DecoderStack:
 def _step_rows(meta: AttentionMetadata, tokens: int) -> tuple[_StepRows, list[object]]:
     """The C description of what each row attends to, and what its pointers point into."""
     slots = meta.slot_mapping.contiguous()
-    rows, keep = _StepRows(tokens, slots.data_ptr(), n_out=-1), [slots]  # n_out -1: every row
+    rows, keep = _StepRows(tokens, slots.data_ptr()), [slots]  # out_rows NULL: every row
     if meta.decode_rows is not None:
         ctx, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
         keep += [ctx, lens]

@@ -102,7 +102,7 @@ def probe_rows(w: torch.Tensor) -> torch.Tensor:
 
 def symmetric_grid(w: PackedWeight) -> bool:
     """Every zero is its group's level midpoint times its scale, exactly: 0 for int8 panels
-    (signed levels), -16 scale for int5 packed from Q5_0 (-8 scale for int4). The
+    (signed levels), -16 scale for int5 packed from Q5_0, -8 scale for int4 from Q4_0. The
     int8-activation kernels then compute the zeros from the scales instead of reading them: a
     sixth to a tenth fewer bytes per decode step on such panels."""
     if w.bits == 8:

@@ -475,31 +475,48 @@ def test_gguf_k_grids_pack_onto_their_own_step() -> None:
     assert 0.4 < error <= 0.5
 
 
+def q4_0_grid(n: int, k: int) -> torch.Tensor:
+    """Weights as GGUF Q4_0 dequantizes them, d * (q - 8), each group reaching level 0."""
+    g = torch.Generator().manual_seed(1)
+    d = (torch.rand(n, k // GROUP, 1, generator=g) * 0.02 + 0.001).half().float()
+    q = torch.randint(0, 16, (n, k // GROUP, GROUP), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * (q - 8)).view(n, k)
+
+
 @needs_kernels
-@pytest.mark.parametrize("bits", [5, 8])
+@pytest.mark.parametrize("grid", ["Q4_0", "Q5_0", "Q8_0"])
 @pytest.mark.parametrize("planes", ["int8", "int16", "mixed"])
 @pytest.mark.parametrize("m", [1, 5, 40])
-def test_symmetric_grids_zeros_are_computed_not_read(bits: int, planes: str, m: int) -> None:
-    """Q5_0 and Q8_0 weights pack onto symmetric grids (zero = -16 scale, 0): the int8-activation
-    kernels compute those zeros from the scales, so a decode step does not stream them. The
-    results stay the same bit for bit, and spoiling the stored zeros afterwards changes nothing
-    (nothing reads them); a grid with zeros of its own (Q4_1) keeps reading them."""
+@pytest.mark.parametrize("avx2", [False, True])
+def test_symmetric_grids_zeros_are_computed_not_read(grid: str, planes: str, m: int, avx2: bool) -> None:
+    """Q4_0, Q5_0 and Q8_0 weights pack onto symmetric grids (zero = -8 or -16 scale, 0): the
+    int8-activation kernels compute those zeros from the scales, so a decode step does not
+    stream them. The results stay the same bit for bit, and spoiling the stored zeros
+    afterwards changes nothing (nothing reads them); a grid with zeros of its own (Q4_1) keeps
+    reading them. On the AVX-512 tiles and, forced, on the AVX2 ones."""
     from pypto_serving.kernels.cpu import qlinear
     from pypto_serving.kernels.quant_linear import symmetric_grid
 
     kernel = {"int8": qlinear.quant_linear_cpu_q8, "int16": qlinear.quant_linear_cpu_q16,
               "mixed": qlinear.quant_linear_cpu_mixed}[planes]
+    bits = {"Q4_0": 4, "Q5_0": 5, "Q8_0": 8}[grid]
+    weights = (lambda: q4_0_grid(40, 256)) if bits == 4 else (lambda: on_grid(40, 256, bits))
     x = torch.randn(m, 256)
     x[:, 7] *= 50  # an outlier channel: mixed activations widen its group
-    packed, _ = pack(on_grid(40, 256, bits), bits)
-    stored = pack(on_grid(40, 256, bits), bits)[0]
-    qlinear._ARGS[stored] = (qlinear._weight_args(stored),) * 2  # reads its stored zeros
+    packed, stored = pack(weights(), bits)[0], pack(weights(), bits)[0]
+    qlinear._ARGS[stored] = (qlinear.weight_args(stored),) * 2  # reads its stored zeros
     assert symmetric_grid(packed)
-    want = kernel(x, stored)
-    assert torch.equal(kernel(x, packed), want)
-    packed.zero.fill_(float("nan"))
-    assert torch.equal(kernel(x, packed), want)
-    asymmetric, _ = pack(on_grid(40, 256, 4), 4)
-    assert not symmetric_grid(asymmetric)
-    asymmetric.zero.fill_(float("nan"))
-    assert kernel(x, asymmetric).isnan().all()
+    if avx2:
+        cpu.library().qdot_use_vnni(0)
+    try:
+        want = kernel(x, stored)
+        assert torch.equal(kernel(x, packed), want)
+        packed.zero.fill_(float("nan"))
+        assert torch.equal(kernel(x, packed), want)
+        asymmetric, _ = pack(on_grid(40, 256, 4), 4)
+        assert not symmetric_grid(asymmetric)
+        asymmetric.zero.fill_(float("nan"))
+        assert kernel(x, asymmetric).isnan().all()
+    finally:
+        cpu.library().qdot_use_vnni(1)

@@ -130,10 +130,14 @@ def test_the_last_layer_runs_for_the_rows_read_only(driver, name: str, activatio
     d, _ = driver(name, quantization="int4", activation_quantization=activations)
     stack, asked = d.runner.stack, []
 
+    last = d.runner.kv_caches[-1]
+
     def checked(ids, positions, meta, rows=None):
         got = stack(ids, positions, meta, rows)
         if rows is not None:
-            full = stack(ids, positions, meta)  # writes the same k/v again
+            written = [c.clone() for c in last]
+            full = stack(ids, positions, meta)  # writes every row's k/v again
+            assert all(torch.equal(a, b) for a, b in zip(written, last, strict=True))
             assert got.shape == (rows.shape[0], full.shape[1])
             assert torch.equal(got, full[rows])
             asked.append((rows.shape[0], ids.shape[0]))

@@ -37,9 +37,10 @@
 
 INLINE __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* The zeros of 8 rows at zero + i, or without stored zeros (NULL: a symmetric grid, GGUF's
- * Q4_0, Q5_0 and Q8_0) their levels' midpoint, -2^(bits - 1) scale (int8 levels are signed:
- * 0). Exact either way where the stored zeros are that (a power of two times an fp16). */
+/* The zeros of 8 rows at zero + i, or without stored zeros (NULL: a symmetric grid, as GGUF's
+ * Q4_0, Q5_0 and Q8_0 pack) their levels' midpoint, -2^(bits - 1) scale (int8 levels are
+ * signed: 0). Exact either way where the stored zeros are that (a power of two times an
+ * fp16). */
 INLINE __m256 zeros8(const uint16_t *zero, int64_t i, __m256 scale, const int bits) {
     if (zero) return half8(zero + i);
     return bits == 8 ? _mm256_setzero_ps() : _mm256_mul_ps(scale, _mm256_set1_ps(-(float)(1 << (bits - 1))));
@@ -682,6 +683,12 @@ VNNI_INLINE __m512i quads_vnni(const uint8_t *q, const uint8_t *q5, int64_t k, c
     return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
 }
 
+/* zeros8 for a panel's 16 rows. */
+VNNI_INLINE __m512 zeros16(const uint16_t *zero, int64_t i, __m512 scale, const int bits) {
+    if (zero) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zero + i)));
+    return bits == 8 ? _mm512_setzero_ps() : _mm512_mul_ps(scale, _mm512_set1_ps(-(float)(1 << (bits - 1))));
+}
+
 VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
                                 const int bits, int64_t k_len, float *y, const float *bias) {
     __m512 acc = _mm512_setzero_ps(), lo = acc;
@@ -701,8 +708,7 @@ VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t 
             if (two) l = dot_vnni(l, w, negative, x->lo + k, bits);
         }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * NB)));
-        const __m512 z = zero ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zero + g * NB)))
-                       : bits == 8 ? _mm512_setzero_ps() : _mm512_mul_ps(s, _mm512_set1_ps(-(float)(1 << (bits - 1))));
+        const __m512 z = zeros16(zero, g * NB, s, bits);
         acc = group_step_vnni(acc, two && !x->wide ? planes_dot_vnni(t, l) : t, x->d[g], x->sx[g], s, z);
         if (two && x->wide) lo = lo_step_vnni(lo, l, x->d[g], s);
     }
@@ -975,7 +981,8 @@ static void quantize(const Rows *rows, const float *x, int64_t k, int64_t i) {
 
 /* Same contract as qlinear (x [m, k], y [m, n_blocks * 16], bias NULL or padded), with the
  * activations quantized to int8 (planes 1), to two int8 planes, about 15 bits (planes 2), or to
- * int8 with a second plane for each row's outlier groups (planes 3, quantize_row_mixed).
+ * int8 with a second plane for each row's outlier groups (planes 3, quantize_row_mixed). Unlike
+ * qlinear's, z may be NULL: a symmetric grid, whose zeros it computes (zeros8).
  * Returns 0, or -1 when its scratch memory cannot be allocated. */
 int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
                    const uint16_t *z, int64_t bits, const float *bias, float *y, int64_t planes) {

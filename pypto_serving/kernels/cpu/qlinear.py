@@ -20,7 +20,7 @@ from pypto_serving.kernels.quant_linear import PANEL, PackedWeight, symmetric_gr
 _ARGS: weakref.WeakKeyDictionary[PackedWeight, tuple[tuple, tuple]] = weakref.WeakKeyDictionary()
 
 
-def _weight_args(w: PackedWeight, quantized: bool = False) -> tuple:
+def weight_args(w: PackedWeight, quantized: bool = False) -> tuple:
     """(k, n_blocks, q, scale, zero, bits) as ctypes values; `w` keeps its tensors alive. For
     the int8-activation kernels (`quantized`) zero is NULL on a symmetric grid: they compute
     the zeros from the scales (`symmetric_grid`)."""
@@ -78,7 +78,7 @@ def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
         return _linear(planes, x.reshape(-1, w.k), w, bias).view(*x.shape[:-1], w.n)
     if not x.is_contiguous():
         x = x.contiguous()
-    args = _weight_args(w, quantized=planes > 0)
+    args = weight_args(w, quantized=planes > 0)
     out = torch.empty(x.shape[0], args[1].value * PANEL)
     if x.shape[0]:
         lib, b = library(), bias if bias is None else bias.data_ptr()
@@ -98,6 +98,6 @@ def quant_embedding_cpu(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), w.k, dtype=torch.float32)
     if ids.numel():
-        k, _, q, scale, zero, bits = _weight_args(w)
+        k, _, q, scale, zero, bits = weight_args(w)
         library().qgather(ids.data_ptr(), ids.numel(), k, q, scale, zero, bits, out.data_ptr())
     return out

@@ -40,7 +40,8 @@ int64_t prefill_attention(const float *q, int64_t ldq, int64_t n_q, int64_t head
 /* A packed linear (see qlinear.c); its output width n_blocks * 16 is the layer's exact width. */
 typedef struct {
     const uint8_t *q;
-    const uint16_t *scale, *zero;
+    const uint16_t *scale, *zero; /* zero NULL (a symmetric grid: qdot.c computes the zeros) only
+                                     where the layer's planes > 0 */
     const float *bias; /* NULL, or n_blocks * 16 floats */
     int64_t k, n_blocks, bits;
 } QLinear;
@@ -77,7 +78,7 @@ typedef struct {
  * Single-query rows: decode_rows [n_decode] (NULL: rows 0 .. n_decode - 1, every row of the
  * step), their context slots ctx_slots [n_decode, max_len] (padded) and lengths lens
  * [n_decode]. Then n_chunks prefill chunks. The rows whose final hidden states the caller
- * reads: out_rows [n_out], ascending (n_out < 0: every row). */
+ * reads: out_rows [n_out], strictly ascending within 0 .. t - 1 (out_rows NULL: every row). */
 typedef struct {
     int64_t t;
     const int64_t *slots;
@@ -168,7 +169,7 @@ typedef struct {
  * context, a prefill row's being its chunk's context up to itself, into out [n_out, heads * d].
  * decode_attention gives a prefill row exactly what prefill_attention gives it (the prefill
  * tiles repeat its arithmetic), so the rows' results do not change. Returns nonzero when out of
- * memory. */
+ * memory, -2 when an out row is no row of the description. */
 static int64_t attend_out_rows(const Shape *sh, const Layer *L, const StepRows *r, const float *qkv, int64_t width,
                                float *out) {
     int64_t n = r->n_out, d = sh->head_dim, aw = sh->heads * d, longest = 1;
@@ -186,7 +187,7 @@ static int64_t attend_out_rows(const Shape *sh, const Layer *L, const StepRows *
             if (row >= ch->start && row < ch->start + ch->n)
                 ctx[i] = ch->ctx_slots, lens[i] = ch->n_ctx - ch->n + (row - ch->start) + 1;
         }
-        if (!ctx[i]) return free(ctx), free(lens), -1; /* not a row of the step's description */
+        if (!ctx[i]) return free(ctx), free(lens), -2; /* not a row of the step's description */
         if (lens[i] > longest) longest = lens[i];
     }
     int64_t *slots = malloc(n * longest * sizeof *slots);
@@ -260,14 +261,16 @@ static int64_t gemma_back(const Shape *sh, const Layer *L, int64_t t, float *res
  * [n_out, hidden] in their order. Then the last layer runs past its k/v write for those rows
  * only (no other row's hidden state is read on: a prefill chunk's rows but its last, or all of
  * a chunk that does not end its prompt): per row the same arithmetic, so the same results.
- * Returns 0, -1 when its scratch memory cannot be allocated, -2 when out_rows is not ascending
- * within 0 .. t - 1. */
+ * Returns 0, -1 when its scratch memory cannot be allocated, -2 when out_rows is not strictly
+ * ascending within 0 .. t - 1 (or names a row the description does not). */
 int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, float *x, const float *cos,
                    const float *sin, const float *cos2, const float *sin2, int64_t ld_cs, float *out) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
-    int64_t n_out = r->n_out >= 0 && r->n_out < t ? r->n_out : -1; /* -1: every row, in place */
+    int64_t n_out = r->out_rows ? r->n_out : -1; /* -1: every row, in place */
+    if (n_out > t) return -2;
     for (int64_t i = 0; i < n_out; i++)
         if (r->out_rows[i] < (i ? r->out_rows[i - 1] + 1 : 0) || r->out_rows[i] >= t) return -2;
+    if (n_out == t) n_out = -1; /* ascending and t of them: every row */
     int64_t attn_width = sh->heads * d, gathered = r->decode_rows ? r->n_decode * attn_width : 0;
     int64_t shared = width + attn_width > 3 * sh->intermediate ? width + attn_width : 3 * sh->intermediate;
     size_t floats = (size_t)t * (hidden * 2 + shared) + 2 * gathered +
@@ -306,5 +309,5 @@ int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, floa
     if (!failed && rows && sh->gemma) gemma_rms_norm(residual, NULL, sh->final_norm, sh->eps, rows, hidden, out);
     else if (!failed && rows) add_rms_norm(s.proj, residual, sh->final_norm, sh->eps, rows, hidden, out);
     free(buf);
-    return failed ? -1 : 0;
+    return failed == -2 ? -2 : failed ? -1 : 0;
 }
