@@ -233,7 +233,7 @@ class DecoderStack:
 def _step_rows(meta: AttentionMetadata, tokens: int) -> tuple[_StepRows, list[object]]:
     """The C description of what each row attends to, and what its pointers point into."""
     slots = meta.slot_mapping.contiguous()
-    rows, keep = _StepRows(tokens, slots.data_ptr()), [slots]  # out_rows NULL: every row
+    rows, keep = _StepRows(tokens, slots.data_ptr(), n_out=-1), [slots]  # n_out -1: every row
     if meta.decode_rows is not None:
         ctx, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
         keep += [ctx, lens]

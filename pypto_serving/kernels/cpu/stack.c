@@ -78,7 +78,8 @@ typedef struct {
  * Single-query rows: decode_rows [n_decode] (NULL: rows 0 .. n_decode - 1, every row of the
  * step), their context slots ctx_slots [n_decode, max_len] (padded) and lengths lens
  * [n_decode]. Then n_chunks prefill chunks. The rows whose final hidden states the caller
- * reads: out_rows [n_out], strictly ascending within 0 .. t - 1 (out_rows NULL: every row). */
+ * reads: out_rows [n_out], strictly ascending within 0 .. t - 1 (n_out < 0: every row; n_out 0:
+ * none, out_rows then possibly NULL, as an empty tensor's data pointer is). */
 typedef struct {
     int64_t t;
     const int64_t *slots;
@@ -266,7 +267,7 @@ static int64_t gemma_back(const Shape *sh, const Layer *L, int64_t t, float *res
 int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, float *x, const float *cos,
                    const float *sin, const float *cos2, const float *sin2, int64_t ld_cs, float *out) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
-    int64_t n_out = r->out_rows ? r->n_out : -1; /* -1: every row, in place */
+    int64_t n_out = r->n_out < 0 ? -1 : r->n_out; /* -1: every row, in place */
     if (n_out > t) return -2;
     for (int64_t i = 0; i < n_out; i++)
         if (r->out_rows[i] < (i ? r->out_rows[i - 1] + 1 : 0) || r->out_rows[i] >= t) return -2;
