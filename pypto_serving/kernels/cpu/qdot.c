@@ -256,13 +256,17 @@ static Rows rows_buffer(int64_t m, int64_t k, int planes) {
 
 /* ---- M = 1: a panel's quads built on the fly ---- */
 
-/* int5 groups a batch-1 row fetches ahead of the one it computes (1.3 KB). A group starts with
- * its last line (the high bits), and the hardware prefetcher does not keep up with that
- * order: a third of the time went to that one load, and Qwen2.5-Coder-0.5B's int5 gate_up ran
- * at 16-18 GB/s against 27-28 with this. int4 and int8 groups are read in order, and fetching
- * ahead made their batch-1 matmuls slower. Reads run past the panel's end into the next panel,
- * the thread's next (prefetches never fault). */
-#define AHEAD_GROUPS 4
+/* A batch-1 row streams each panel from memory once, in order: levels, scales and zeros (three
+ * streams). Each group fetches the one AHEAD_GROUPS on (prefetch.h) with its scales and zeros,
+ * 4-8 KB of levels ahead; the hardware prefetcher alone left SmolLM2's batch-1 stack ~15%
+ * slower and Qwen2.5-Coder-0.5B's ~13% (docs/performance.md). int5 groups start with their last
+ * line (the high bits), an order the hardware prefetcher does not follow at all. */
+INLINE void fetch_ahead(const uint8_t *q, const uint16_t *scale, const uint16_t *zero, int64_t g, const int bits) {
+    const int64_t a = g + AHEAD_GROUPS;
+    prefetch_group((const char *)q, a, bits); /* a group of 16 rows: bits lines */
+    _mm_prefetch((const char *)(scale + a * NB), _MM_HINT_T0);
+    if (zero) _mm_prefetch((const char *)(zero + a * NB), _MM_HINT_T0);
+}
 
 INLINE void store8(float *y, __m256 acc, const float *bias) {
     _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc);
@@ -273,7 +277,7 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     __m256 lo0 = acc0, lo1 = acc0; /* mixed activations: the wide groups' residual planes (store_tile) */
     for (int64_t g = 0; g < k_len / GROUP; g++) {
-        if (bits == 5) prefetch_group((const char *)q, g + AHEAD_GROUPS, 5);
+        fetch_ahead(q, scale, zero, g, bits);
         __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
         __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
         const uint8_t *q5 = q + g * 10 * GROUP;
@@ -693,7 +697,7 @@ VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t 
                                 const int bits, int64_t k_len, float *y, const float *bias) {
     __m512 acc = _mm512_setzero_ps(), lo = acc;
     for (int64_t g = 0; g < k_len / GROUP; g++) {
-        if (bits == 5) prefetch_group((const char *)q, g + AHEAD_GROUPS, 5);
+        fetch_ahead(q, scale, zero, g, bits);
         __m512i t = _mm512_setzero_si512(), l = t;
         const uint8_t *q5 = q + g * 10 * GROUP;
         __m256i ha = _mm256_setzero_si256(), hb = ha;
