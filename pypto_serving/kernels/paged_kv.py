@@ -6,6 +6,8 @@ A token's slot is `block_id * block_size + offset`; the cache viewed as
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 
@@ -28,12 +30,12 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, kv_heads, head_dim)[slots]
 
 
-def slots_of_positions(
-    block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Slot of each token: block_tables [B, max_blocks], rows/positions [T] -> [T]."""
-    blocks = block_tables[rows, positions // block_size]
-    return blocks * block_size + positions % block_size
+def token_slots(block_tables: list[list[int]], spans: Sequence[Iterable[int]], block_size: int) -> list[int]:
+    """Slot of each position of each row's span, in order: tables [B][blocks], spans [B]. On
+    the host: one list for one transfer, where the same arithmetic on tensors took ~8 small ops
+    per step (prepare's main cost at batch 1)."""
+    return [table[p // block_size] * block_size + p % block_size
+            for table, span in zip(block_tables, spans, strict=True) for p in span]
 
 
 def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pypto_serving.kernels.attention import (
     sdpa_prefill_attention,
     with_window,
 )
-from pypto_serving.kernels.paged_kv import context_slots, gather_kv, slots_of_positions, write_kv
+from pypto_serving.kernels.paged_kv import context_slots, gather_kv, token_slots, write_kv
 from pypto_serving.messages.worker import ScheduledSeq
 from pypto_serving.worker.batch import prepare
 from pypto_serving.worker.seq_state import SeqState
@@ -47,8 +47,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
 def test_write_then_gather_roundtrip_and_slot_arithmetic() -> None:
     k_cache, v_cache = empty_cache()
     tables = torch.tensor([[7, 3, 0], [12, 5, 9]])
-    rows, pos = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 5, 3, 9])
-    slots = slots_of_positions(tables, rows, pos, BLOCK)
+    slots = torch.tensor(token_slots(tables.tolist(), [[0, 5], [3, 9]], BLOCK))  # rows 0, 0, 1, 1
     assert slots.tolist() == [7 * 4 + 0, 3 * 4 + 1, 12 * 4 + 3, 9 * 4 + 1]
     k, v = torch.randn(4, KV_HEADS, DIM), torch.randn(4, KV_HEADS, DIM)
     write_kv(k_cache, v_cache, k, v, slots)
