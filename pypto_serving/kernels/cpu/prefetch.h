@@ -25,4 +25,15 @@ static inline __attribute__((always_inline)) void prefetch_group(const char *nex
         for (int l = 0; l < lines; l++) _mm_prefetch(next + (g * lines + l) * 64, _MM_HINT_T0);
 }
 
+/* A batch-1 row's fetching ahead (qdot.c's and qhead.c's): group g + AHEAD_GROUPS of the
+ * panel stream at q (lines cache lines a group: a group of a panel's 16 rows holds `bits`
+ * lines), with its 16 fp16 scales and, unless NULL, zeros. */
+static inline __attribute__((always_inline)) void fetch_ahead(const void *q, const uint16_t *scale,
+                                                              const uint16_t *zero, int64_t g, const int lines) {
+    const int64_t a = g + AHEAD_GROUPS;
+    prefetch_group(q, a, lines);
+    _mm_prefetch((const char *)(scale + a * 16), _MM_HINT_T0);
+    if (zero) _mm_prefetch((const char *)(zero + a * 16), _MM_HINT_T0);
+}
+
 #endif

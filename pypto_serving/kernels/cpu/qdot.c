@@ -257,16 +257,10 @@ static Rows rows_buffer(int64_t m, int64_t k, int planes) {
 /* ---- M = 1: a panel's quads built on the fly ---- */
 
 /* A batch-1 row streams each panel from memory once, in order: levels, scales and zeros (three
- * streams). Each group fetches the one AHEAD_GROUPS on (prefetch.h) with its scales and zeros,
- * 4-8 KB of levels ahead; the hardware prefetcher alone left SmolLM2's batch-1 stack ~15%
- * slower and Qwen2.5-Coder-0.5B's ~13% (docs/performance.md). int5 groups start with their last
- * line (the high bits), an order the hardware prefetcher does not follow at all. */
-INLINE void fetch_ahead(const uint8_t *q, const uint16_t *scale, const uint16_t *zero, int64_t g, const int bits) {
-    const int64_t a = g + AHEAD_GROUPS;
-    prefetch_group((const char *)q, a, bits); /* a group of 16 rows: bits lines */
-    _mm_prefetch((const char *)(scale + a * NB), _MM_HINT_T0);
-    if (zero) _mm_prefetch((const char *)(zero + a * NB), _MM_HINT_T0);
-}
+ * streams). Each group fetches the one AHEAD_GROUPS on with its scales and zeros (fetch_ahead,
+ * prefetch.h), 4-8 KB of levels ahead; the hardware prefetcher alone left SmolLM2's batch-1
+ * stack ~15% slower and Qwen2.5-Coder-0.5B's ~13% (docs/performance.md). int5 groups start with
+ * their last line (the high bits), an order the hardware prefetcher does not follow at all. */
 
 INLINE void store8(float *y, __m256 acc, const float *bias) {
     _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc);

@@ -85,8 +85,7 @@ static void row_panel(const int16_t *xq, const float *d, const int8_t *q, const 
     for (int64_t g = 0; g < k_len / GROUP; g++) {
         /* as qdot.c's batch-1 rows: the group AHEAD_GROUPS on (an int8 group: a line per quad)
          * and its scales; without it the head took ~10% longer (SmolLM2) to ~14% (Qwen) */
-        prefetch_group((const char *)q, g + AHEAD_GROUPS, QUADS);
-        _mm_prefetch((const char *)(scale + (g + AHEAD_GROUPS) * NB), _MM_HINT_T0);
+        fetch_ahead(q, scale, 0, g, QUADS);
         __m256i t[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                         _mm256_setzero_si256()};
 #pragma GCC unroll 8
