@@ -23,23 +23,28 @@
  * time than keeping them on one thread while the other waited (2026-12-03, alternating). */
 #define ROWS_PARALLEL 4
 
-/* exp for x <= 0 (softmax after max subtraction, silu of -|x|): Cephes-style, ~1 ulp. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+/* exp for x <= 0 (softmax after max subtraction, silu of -|x|): Cephes-style, ~1 ulp. One body
+ * for 8 lanes (exp8) and, where the AVX-512 tiles run, 16 (exp16): P is the intrinsics' prefix,
+ * so both compute the same values lane for lane. */
+#define DEFINE_EXP(NAME, ATTRS, VEC, VECI, P, ROUND, AS_FLOAT)                                        \
+    ATTRS VEC NAME(VEC x) {                                                                           \
+        x = P##_max_ps(x, P##_set1_ps(-87.0f));                                                       \
+        VEC fx = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)),                              \
+                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                                 \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(0.693359375f), x);                                          \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(-2.12194440e-4f), x);                                       \
+        VEC y = P##_set1_ps(1.9875691500E-4f);                                                        \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507E-3f));                                        \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073E-3f));                                        \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894E-2f));                                        \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459E-1f));                                        \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201E-1f));                                        \
+        y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.0f)));                      \
+        VECI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(fx), P##_set1_epi32(127)), 23);         \
+        return P##_mul_ps(y, AS_FLOAT(e));                                                            \
+    }
+
+DEFINE_EXP(exp8, static inline, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
 
 /* [sum of v[0], ..., sum of v[7]] */
 static inline __m256 hsum8x8(const __m256 *v) {
@@ -226,8 +231,8 @@ void rope_write_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64
     }
 }
 
-/* Softmax of s [n] in place, unnormalized: returns the sum to divide by. */
-static inline float softmax_in_place(float *s, int64_t n) {
+/* The largest of s [n]. */
+static inline float scores_max(const float *s, int64_t n) {
     __m256 vmx = _mm256_set1_ps(-INFINITY);
     int64_t l = 0;
     for (; l + 8 <= n; l += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + l));
@@ -235,19 +240,33 @@ static inline float softmax_in_place(float *s, int64_t n) {
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     for (; l < n; l++) mx = s[l] > mx ? s[l] : mx;
-    vmx = _mm256_set1_ps(mx);
-    __m256 vsum = _mm256_setzero_ps();
-    for (l = 0; l + 8 <= n; l += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), vmx));
-        _mm256_storeu_ps(s + l, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
+    return mx;
+}
+
+/* s [l .. l + 7] = exp(s - mx) in place; returns vsum + them (the sum's 8 chains). */
+static inline __m256 exp_block8(float *s, int64_t l, float mx, __m256 vsum) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(s + l, e);
+    return _mm256_add_ps(vsum, e);
+}
+
+/* The last keys l .. n - 1 (fewer than 8) one at a time, after the chains' sum. */
+static inline float softmax_tail(float *s, int64_t l, int64_t n, float mx, __m256 vsum) {
     float sum = hsum8f(vsum);
     for (; l < n; l++) {
         s[l] = expf(s[l] - mx);
         sum += s[l];
     }
     return sum;
+}
+
+/* Softmax of s [n] in place, unnormalized: returns the sum to divide by. */
+static inline float softmax_in_place(float *s, int64_t n) {
+    const float mx = scores_max(s, n);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t l = 0;
+    for (; l + 8 <= n; l += 8) vsum = exp_block8(s, l, mx, vsum);
+    return softmax_tail(s, l, n, mx, vsum);
 }
 
 #define PREFETCH_KEYS 16 /* keys ahead whose vectors are fetched by hand */
@@ -499,54 +518,23 @@ VNNI_INLINE void store_scores8(__m512 acc[][4], const int c, float scale, float 
     }
 }
 
-/* exp8 on 16 lanes: the same operations lane for lane, so the same values. */
-VNNI_INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+DEFINE_EXP(exp16, VNNI_INLINE, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
 
 /* softmax_in_place with 16 exponentials at a time; the sum keeps its 8 chains (a register's
  * halves added in turn), so every value and the sum are softmax_in_place's. */
 VNNI_INLINE float softmax_in_place_zmm(float *s, int64_t n) {
-    __m256 vmx = _mm256_set1_ps(-INFINITY);
-    int64_t l = 0;
-    for (; l + 8 <= n; l += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + l));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    for (; l < n; l++) mx = s[l] > mx ? s[l] : mx;
+    const float mx = scores_max(s, n);
     const __m512 vmx16 = _mm512_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
-    for (l = 0; l + 16 <= n; l += 16) {
+    int64_t l = 0;
+    for (; l + 16 <= n; l += 16) {
         __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), vmx16));
         _mm512_storeu_ps(s + l, e);
         vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
         vsum = _mm256_add_ps(vsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
     }
-    if (l + 8 <= n) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), _mm256_set1_ps(mx)));
-        _mm256_storeu_ps(s + l, e);
-        vsum = _mm256_add_ps(vsum, e);
-        l += 8;
-    }
-    float sum = hsum8f(vsum);
-    for (; l < n; l++) {
-        s[l] = expf(s[l] - mx);
-        sum += s[l];
-    }
-    return sum;
+    if (l + 8 <= n) vsum = exp_block8(s, l, mx, vsum), l += 8;
+    return softmax_tail(s, l, n, mx, vsum);
 }
 
 /* weigh_values on 512-bit registers: out[h][j0 .. j0 + 16 w) (the last vector's upper half
