@@ -79,14 +79,18 @@ def test_attend_matches_portable(fast, chunks: list[tuple[int, int]], kv_dtype: 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 40])  # 40: a last value chunk of 8, not 16
-def test_decode_attention_rows_do_not_depend_on_the_batch(kv_dtype: torch.dtype, head_dim: int) -> None:
-    """Bit for bit: a sequence alone (one task per query head) and among 16 (one task per kv
-    head's group of query heads, keys and values read once for the group). Together they are
-    over 1 MiB of keys and values, so the batch also fetches the next task's keys ahead."""
+@pytest.mark.parametrize("heads", [6, 14])  # groups of 3 and of 7 query heads (3 + 3 + 1)
+@pytest.mark.parametrize("width", [320, 60])
+def test_decode_attention_rows_do_not_depend_on_the_batch(kv_dtype: torch.dtype, head_dim: int, heads: int,
+                                                          width: int) -> None:
+    """Bit for bit: a sequence alone (its passes split over the threads, keys in pieces; with
+    under 96 keys one task per query head) and among 16 (one task per kv head's group of query
+    heads, keys and values read once for the group). Together the longer ones are over 1 MiB
+    of keys and values, so the batch also fetches the next task's keys ahead."""
     from pypto_serving.kernels.cpu.decoder import decode_attention_cpu
 
     torch.manual_seed(0)
-    heads, kv_heads, width = 6, 2, 320
+    kv_heads = 2
     batch = max(16, 2 * torch.get_num_threads())  # enough kv groups to share out: grouped tasks
     k, v = (torch.randn(batch * width // BLOCK, BLOCK, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
     slots = torch.arange(batch * width).view(batch, width)

@@ -643,6 +643,80 @@ int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len) { return b 
  * from the last step: decode attention then skips the fetching ahead. */
 #define FETCH_AHEAD_BYTES (1 << 20)
 
+/* Keys per piece of decode_attention_few's score pass, and the fewest keys of a step it takes
+ * (below, its two extra barriers cost more than it saves: 1.03x the time at 64 keys, 0.84x at
+ * 100, on a Zen 1 at batch 1). */
+#define FEW_KEYS 64
+#define FEW_MIN_KEYS 96
+
+/* Scores of c (1 .. 3) heads q against keys l0 .. l1 - 1 of n, 4 at a time (l0 a multiple of 4). */
+INLINE_LOAD void score_range(const float *q, const int c, const void *k_cache, const int64_t *slots, int64_t l0,
+                             int64_t l1, int64_t n, int64_t kv_stride, int64_t d, float scale, float *scores,
+                             int64_t ld_scores, const int half) {
+    for (int64_t l = l0; l < l1; l += 4) {
+        if (c == 3) score_keys4(q, 3, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
+        else if (c == 2) score_keys4(q, 2, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
+        else score_keys4(q, 1, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
+    }
+}
+
+/* decode_attention with too few kv heads to give every thread whole groups (a batch-1 step).
+ * attend_heads' three passes run one after another over all of them, each split over the threads
+ * into pieces whose arithmetic does not depend on the split: the scores of up to 3 heads of a
+ * group for FEW_KEYS keys, a head's softmax, and 32 elements of up to 3 heads' values. Every
+ * result is attend_heads' bit for bit, and each key and value is converted from float16 once for
+ * up to 3 query heads, where one task per query head converted it once per head and two tasks
+ * per kv head left a thread idle. */
+static void decode_attention_few(const float *q, int64_t ldq, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
+                                 const void *k_cache, const void *v_cache, const int64_t *slots, int64_t max_len,
+                                 const int64_t *lens, float scale, float *scores, float *out, int64_t kv_half,
+                                 int64_t window) {
+    const int64_t group = heads / kv_heads, triples = (group + 2) / 3, ld = scores_stride(max_len);
+    const int64_t esize = kv_half ? 2 : 4, kv_stride = kv_heads * d, blocks = (d + 31) / 32;
+    const int64_t pieces = (max_len + FEW_KEYS - 1) / FEW_KEYS;
+    float inv[b * heads];
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic)
+        for (int64_t u = 0; u < b * kv_heads * triples * pieces; u++) {
+            int64_t piece = u % pieces, t = u / pieces % triples, kv = u / pieces / triples % kv_heads;
+            int64_t i = u / pieces / triples / kv_heads, first = first_key(lens[i], window), n = lens[i] - first;
+            int64_t l0 = piece * FEW_KEYS, l1 = l0 + FEW_KEYS < n ? l0 + FEW_KEYS : n, h = kv * group + 3 * t;
+            if (l0 >= n) continue;
+            const int c = group - 3 * t < 3 ? (int)(group - 3 * t) : 3;
+            const char *k = (const char *)k_cache + kv * d * esize;
+            const float *qh = q + i * ldq + h * d;
+            float *sh = scores + (i * heads + h) * ld;
+            const int64_t *ctx = slots + i * max_len + first;
+            if (kv_half) score_range(qh, c, k, ctx, l0, l1, n, kv_stride, d, scale, sh, ld, 1);
+            else score_range(qh, c, k, ctx, l0, l1, n, kv_stride, d, scale, sh, ld, 0);
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t r = 0; r < b * heads; r++) {
+            int64_t i = r / heads;
+            inv[r] = 1.0f / softmax_in_place(scores + r * ld, lens[i] - first_key(lens[i], window));
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t u = 0; u < b * kv_heads * triples * blocks; u++) {
+            int64_t j0 = u % blocks * 32, t = u / blocks % triples, kv = u / blocks / triples % kv_heads;
+            int64_t i = u / blocks / triples / kv_heads, first = first_key(lens[i], window), n = lens[i] - first;
+            int64_t h = kv * group + 3 * t;
+            const int c = group - 3 * t < 3 ? (int)(group - 3 * t) : 3, w = d - j0 < 32 ? (int)(d - j0) / 8 : 4;
+            const char *v = (const char *)v_cache + kv * d * esize;
+            const float *p = scores + (i * heads + h) * ld;
+            const int64_t *ctx = slots + i * max_len + first;
+            Ahead none = {0};
+#define WEIGH(C, W)                                                                                            \
+    if (kv_half) weigh_values(p, ld, C, v, ctx, n, kv_stride, j0, W, inv + i * heads + h, out + i * heads * d + h * d, \
+                              d, 1, 1, &none);                                                                 \
+    else weigh_values(p, ld, C, v, ctx, n, kv_stride, j0, W, inv + i * heads + h, out + i * heads * d + h * d, d, 0, \
+                      1, &none)
+            WITH_CONSTANTS(c, w, WEIGH);
+#undef WEIGH
+        }
+    }
+}
+
 /* One query per sequence: q rows [b] (row stride ldq, heads * d used), slots [b, max_len]
  * padded, lens [b]; out [b, heads * d]. Caches float32, or float16 with kv_half. With window
  * > 0 a query sees only the last `window` keys of its context (a sliding-window layer).
@@ -655,8 +729,15 @@ void decode_attention(const float *q, int64_t ldq, int64_t b, int64_t heads, int
     int fetch_ahead = 2 * total * kv_heads * d * esize >= FETCH_AHEAD_BYTES;
     /* A task: a kv head's whole group of query heads once there are enough groups to share
      * out (its keys and values are read once for all of them), else a single head. A thread
-     * takes its next task before it starts this one, so that it can fetch the next keys. */
-    int64_t per_task = b * kv_heads >= 4 * omp_get_max_threads() ? group : 1;
+     * takes its next task before it starts this one, so that it can fetch the next keys. With
+     * too few groups and keys enough, the passes split instead (decode_attention_few). */
+    int few = b * kv_heads < 4 * omp_get_max_threads();
+    if (few && total >= FEW_MIN_KEYS) {
+        decode_attention_few(q, ldq, b, heads, kv_heads, d, k_cache, v_cache, slots, max_len, lens, scale, scores,
+                             out, kv_half, window);
+        return;
+    }
+    int64_t per_task = few ? 1 : group;
     int64_t tasks_per_seq = heads / per_task, n_tasks = b * tasks_per_seq, taken = 0;
     /* Tasks are handed out a sequence at a time where there are sequences enough to share out:
      * a thread then reads each of its sequences' cache blocks whole (every kv head's lines) on
