@@ -418,6 +418,18 @@ INLINE_LOAD void score_keys4(const float *q, const int c, const void *k_cache, c
     }
 }
 
+/* Scores of c (1 .. 3) heads q against keys l0 .. l1 - 1 of n, 4 at a time (l0 a multiple of
+ * 4): score_keys4 with c a constant in each branch. */
+INLINE_LOAD void score_range(const float *q, const int c, const void *k_cache, const int64_t *slots, int64_t l0,
+                             int64_t l1, int64_t n, int64_t kv_stride, int64_t d, float scale, float *scores,
+                             int64_t ld_scores, const int half) {
+    for (int64_t l = l0; l < l1; l += 4) {
+        if (c == 3) score_keys4(q, 3, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
+        else if (c == 2) score_keys4(q, 2, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
+        else score_keys4(q, 1, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
+    }
+}
+
 /* Query heads q[0 .. g) (d floats apart) of one sequence, sharing one kv head, over a context
  * of n slots: out[h] [d] = softmax(q[h] . k * scale) @ v; scores [g][ld_scores] scratch,
  * ld_scores >= n rounded up to 8. A key vector is read once for up to 3 heads. Per head, the
@@ -436,9 +448,7 @@ INLINE_LOAD void attend_heads(const float *q, int64_t g, const void *k_cache, co
         int c = g - h < 3 ? (int)(g - h) : 3;
         for (int64_t l = 0; l < n; l += 4) {
             if (values.base) ahead_step(&values, (int)lines);
-            if (c == 3) score_keys4(qh, 3, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
-            else if (c == 2) score_keys4(qh, 2, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
-            else score_keys4(qh, 1, k_cache, slots, l, n, kv_stride, d, scale, sh, ld_scores, half);
+            score_range(qh, c, k_cache, slots, l, l + 4, n, kv_stride, d, scale, sh, ld_scores, half);
         }
     }
     finish_heads(g, v_cache, slots, n, kv_stride, d, scores, ld_scores, out, half, !values.base, next);
@@ -648,17 +658,6 @@ int64_t decode_scores_len(int64_t b, int64_t heads, int64_t max_len) { return b 
  * 100, on a Zen 1 at batch 1). */
 #define FEW_KEYS 64
 #define FEW_MIN_KEYS 96
-
-/* Scores of c (1 .. 3) heads q against keys l0 .. l1 - 1 of n, 4 at a time (l0 a multiple of 4). */
-INLINE_LOAD void score_range(const float *q, const int c, const void *k_cache, const int64_t *slots, int64_t l0,
-                             int64_t l1, int64_t n, int64_t kv_stride, int64_t d, float scale, float *scores,
-                             int64_t ld_scores, const int half) {
-    for (int64_t l = l0; l < l1; l += 4) {
-        if (c == 3) score_keys4(q, 3, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
-        else if (c == 2) score_keys4(q, 2, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
-        else score_keys4(q, 1, k_cache, slots, l, n, kv_stride, d, scale, scores, ld_scores, half);
-    }
-}
 
 /* decode_attention with too few kv heads to give every thread whole groups (a batch-1 step).
  * attend_heads' three passes run one after another over all of them, each split over the threads
