@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pypto_serving.app.packaged_models import PackagedModelMissing, gemma3_path, smollm2_path
+from tests.oracles import gguf_parsed_once, transformers_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -42,19 +44,33 @@ def hf_smollm2(smollm2_gguf: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf, gguf_file=smollm2_gguf,
-                                                 dtype=torch.float32)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(smollm2_gguf, gguf_file=smollm2_gguf,
+                                                     dtype=torch.float32)
     return model.eval()
 
 
 @pytest.fixture(scope="session")
-def hf_gemma3(gemma3_gguf: str):
-    """transformers' own load of the packaged Gemma 3 GGUF (fp32): the oracle (~30 s)."""
+def gemma3_transformers(gemma3_gguf: str) -> tuple:
+    """transformers' own load of the packaged Gemma 3 GGUF: the fp32 model and its tokenizer,
+    the oracles (~55 s on 2 cores), from one parse of the file's metadata."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(gemma3_gguf, gguf_file=gemma3_gguf, dtype=torch.float32)
-    return model.eval()
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(gemma3_gguf, gguf_file=gemma3_gguf, dtype=torch.float32)
+        tokenizer = transformers_tokenizer(Path(gemma3_gguf), "gemma3")
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_transformers: tuple):
+    return gemma3_transformers[0]
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3_tokenizer(gemma3_transformers: tuple):
+    return gemma3_transformers[1]
 
 
 @pytest.fixture(scope="session")

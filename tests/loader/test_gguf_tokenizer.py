@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from pypto_serving.app.packaged_models import qwen_coder_path, smollm2_path
 from pypto_serving.loader.errors import UnsupportedModel
 from pypto_serving.loader.gguf_tokenizer import GGUFTokenizerData, read_gguf_tokenizer
+from tests.oracles import transformers_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -37,17 +38,10 @@ TEXTS = [
 def pair(request: pytest.FixtureRequest) -> tuple[GGUFTokenizerData, object]:
     """(ours, transformers') for one packaged model."""
     path = smollm2_path() if request.param == "smollm2" else qwen_coder_path()
-    return read_gguf_tokenizer(path), _transformers_tokenizer(path, request.param)
+    return read_gguf_tokenizer(path), transformers_tokenizer(path, MODEL_TYPES[request.param])
 
 
-def _transformers_tokenizer(path: Path, name: str) -> object:
-    from transformers import AutoTokenizer, Qwen2Tokenizer
-
-    if name == "smollm2":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    # AutoTokenizer picks this class for a qwen2 GGUF, after parsing the whole file's
-    # metadata with gguf-py's GGUFReader to build a config (~17 s); we skip that step.
-    return Qwen2Tokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+MODEL_TYPES = {"smollm2": "llama", "qwen2.5-coder": "qwen2"}  # general.architecture of each file
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
@@ -97,12 +91,9 @@ def test_chat_markers_are_single_ids_and_tool_tags_survive_decoding() -> None:
 # --- the packaged Gemma 3: a real SentencePiece ("llama") vocabulary of 262k pieces ------------
 
 
-def test_gemma3_encodes_and_decodes_as_transformers(gemma3_gguf: str) -> None:
-    from transformers import AutoTokenizer
-
-    path = Path(gemma3_gguf)
-    ours = read_gguf_tokenizer(path)
-    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def test_gemma3_encodes_and_decodes_as_transformers(gemma3_gguf: str, hf_gemma3_tokenizer: object) -> None:
+    ours = read_gguf_tokenizer(Path(gemma3_gguf))
+    theirs = hf_gemma3_tokenizer
     turn = "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
     for text in [*TEXTS, turn]:
         ids = theirs.encode(text)

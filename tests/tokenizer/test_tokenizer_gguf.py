@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
 from pypto_serving.tokenizer.tokenizer import Tokenizer
+from tests.oracles import transformers_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are terse. Réponds en français si besoin."}
 CONVERSATIONS = {
@@ -60,17 +60,6 @@ TEXTS = ["Hello world", "  indented\n\tcode()", "<|im_start|>user\nhi<|im_end|>"
 
 
 MODEL_TYPES = {"smollm2": "llama", "qwen": "qwen2"}  # general.architecture of each file
-
-
-def transformers_tokenizer(path: Path, model_type: str) -> Any:
-    """What `AutoTokenizer.from_pretrained(dir, gguf_file=name)` returns, in 2 s instead of 20.
-
-    AutoTokenizer reads every tensor header and vocabulary string with gguf-py only to learn the
-    model type, then picks the class registered for it (TokenizersBackend when none is); we
-    know the model type, so we make the same pick and call that class directly.
-    """
-    cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
-    return cls.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen"])
@@ -159,14 +148,12 @@ GEMMA_TURNS = (
 )
 
 
-def test_gemma3_has_no_template_and_renders_gemma_turns_as_transformers(gemma3_gguf: str) -> None:
-    from transformers import AutoTokenizer
-
+def test_gemma3_has_no_template_and_renders_gemma_turns_as_transformers(gemma3_gguf: str,
+                                                                         hf_gemma3_tokenizer: Any) -> None:
     from pypto_serving.tokenizer.chat_template import ChatTemplateError
 
-    path = Path(gemma3_gguf)
-    ours = Tokenizer.from_gguf(path)
-    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = Tokenizer.from_gguf(Path(gemma3_gguf))
+    theirs = hf_gemma3_tokenizer
     assert ours.chat_template is None and theirs.chat_template is None
     with pytest.raises(ChatTemplateError):
         ours.apply_chat_template(CONVERSATIONS["user only"])

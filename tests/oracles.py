@@ -1,0 +1,52 @@
+"""transformers as the oracle for the packaged GGUF files, loaded as cheaply as it allows.
+
+transformers parses a GGUF file's whole metadata with gguf-py (every vocabulary string, one
+Python object each) once to build a config and again for the weights or the tokenizer: for
+Gemma 3's 262k pieces ~25 s a parse on a 2-core machine, so loading its model and its tokenizer
+took four parses. Inside `gguf_parsed_once` each file is parsed once; what transformers builds
+from the parse is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """gguf-py's reader, kept per file while the block runs (transformers imports
+    `gguf.GGUFReader` at each call, so it finds this one); freed after it (~0.7 GB for Gemma 3)."""
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+@functools.cache
+def transformers_tokenizer(path: Path, model_type: str) -> Any:
+    """What `AutoTokenizer.from_pretrained(dir, gguf_file=name)` returns, once per session.
+
+    AutoTokenizer reads every tensor header and vocabulary string with gguf-py only to learn the
+    model type, then picks the class registered for it (TokenizersBackend when none is); we
+    know the model type, so we make the same pick and call that class directly.
+    """
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+    with gguf_parsed_once():
+        return cls.from_pretrained(str(path.parent), gguf_file=path.name)
