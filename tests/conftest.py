@@ -51,26 +51,20 @@ def hf_smollm2(smollm2_gguf: str):
 
 
 @pytest.fixture(scope="session")
-def gemma3_transformers(gemma3_gguf: str) -> tuple:
-    """transformers' own load of the packaged Gemma 3 GGUF: the fp32 model and its tokenizer,
-    the oracles (~55 s on 2 cores), from one parse of the file's metadata."""
+def hf_gemma3(gemma3_gguf: str):
+    """transformers' own load of the packaged Gemma 3 GGUF (fp32): the oracle (~50 s on 2 cores)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(gemma3_gguf, gguf_file=gemma3_gguf, dtype=torch.float32)
-        tokenizer = transformers_tokenizer(Path(gemma3_gguf), "gemma3")
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 @pytest.fixture(scope="session")
-def hf_gemma3(gemma3_transformers: tuple):
-    return gemma3_transformers[0]
-
-
-@pytest.fixture(scope="session")
-def hf_gemma3_tokenizer(gemma3_transformers: tuple):
-    return gemma3_transformers[1]
+def hf_gemma3_tokenizer(gemma3_gguf: str):
+    """transformers' tokenizer of the packaged Gemma 3 GGUF (the class AutoTokenizer picks)."""
+    return transformers_tokenizer(Path(gemma3_gguf), "gemma3")
 
 
 @pytest.fixture(scope="session")

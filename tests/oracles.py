@@ -1,10 +1,11 @@
 """transformers as the oracle for the packaged GGUF files, loaded as cheaply as it allows.
 
-transformers parses a GGUF file's whole metadata with gguf-py (every vocabulary string, one
-Python object each) once to build a config and again for the weights or the tokenizer: for
-Gemma 3's 262k pieces ~25 s a parse on a 2-core machine, so loading its model and its tokenizer
-took four parses. Inside `gguf_parsed_once` each file is parsed once; what transformers builds
-from the parse is unchanged.
+transformers' GGUF model loading parses the file's whole metadata with gguf-py (every
+vocabulary string, one Python object each) once to build the config and again for the weights:
+for Gemma 3's 262k pieces ~25 s a parse on a 2-core machine. Inside `gguf_parsed_once` each
+file is parsed once; what transformers builds from the parse is unchanged. Its tokenizers read
+the file with a reader of their own; AutoTokenizer first parses the whole file with gguf-py
+only to learn the model type, which `transformers_tokenizer` knows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import gguf
 
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
-    """gguf-py's reader, kept per file while the block runs (transformers imports
+    """gguf-py's reader, kept per file while the block runs (transformers' loader imports
     `gguf.GGUFReader` at each call, so it finds this one); freed after it (~0.7 GB for Gemma 3)."""
     original, readers = gguf.GGUFReader, {}
 
@@ -48,5 +49,4 @@ def transformers_tokenizer(path: Path, model_type: str) -> Any:
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
-    with gguf_parsed_once():
-        return cls.from_pretrained(str(path.parent), gguf_file=path.name)
+    return cls.from_pretrained(str(path.parent), gguf_file=path.name)
