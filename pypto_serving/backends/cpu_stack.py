@@ -26,7 +26,6 @@ from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.cpu.decoder import MAX_HEAD_DIM
 from pypto_serving.kernels.cpu.qlinear import ACTIVATION_PLANES, weight_args  # each layer's planes
 from pypto_serving.kernels.quant_linear import PANEL
-from pypto_serving.kernels.rotary import rotary_cos_sin
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.llama import CausalLM, LlamaForCausalLM
 from pypto_serving.models.quant import QuantEmbedding, QuantLinear
@@ -61,7 +60,9 @@ class _StepRows(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
                 ("intermediate", _I), ("kv_half", _I), ("gemma", _I),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _P)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _P),
+                ("embed_q", _P), ("embed_scale", _P), ("embed_zero", _P), ("embed_bits", _I), ("vocab", _I),
+                ("embed_mul", ctypes.c_float), ("rope", _P), ("rope_local", _P), ("positions", _I)]
 
 
 # A struct's sizeof and each field's (offset, size), in declaration order
@@ -147,6 +148,26 @@ def _layer(layer: torch.nn.Module, kv: KVCache, gemma: bool) -> _Layer:
                   kv[0].data_ptr(), kv[1].data_ptr(), window, planes)
 
 
+def _embedding(model: CausalLM) -> tuple:
+    """The Shape's embedding fields: the packed table, its rows, and for Gemma 3 the float32
+    sqrt(hidden) its embed_inputs multiplies by."""
+    embed = model.model.embed_tokens
+    w = embed.weight.packed
+    mul = float(torch.tensor(model.arch.hidden_size**0.5)) if isinstance(model, Gemma3ForCausalLM) else 0.0
+    return w.q.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr(), w.bits, embed.weight.n, mul
+
+
+def _rope_tables(model: CausalLM) -> list[torch.Tensor]:
+    """The rotary tables the stack reads: the model's, then the sliding-window layers' own
+    (Gemma 3's) where some layer has a window."""
+    windows = isinstance(model, Gemma3ForCausalLM) and any(layer.window for layer in model.model.layers)
+    return [model.rope, model.rope_local] if windows else [model.rope]
+
+
+def _rope_table_fits(table: torch.Tensor, head_dim: int) -> bool:
+    return table.dtype == torch.float32 and table.is_contiguous() and table.shape[1:] == (2, head_dim // 2)
+
+
 def _fills_panels(m: torch.nn.Module) -> bool:
     return isinstance(m, QuantLinear) and m.weight.packed.n % PANEL == 0
 
@@ -162,15 +183,16 @@ class DecoderStack:
         layers = model.model.layers
         self._gemma = isinstance(model, Gemma3ForCausalLM)
         self._kv_half = kv_caches[0][0].dtype == torch.float16
+        self._layers = (_Layer * len(layers))(*(
+            _layer(layer, kv, self._gemma) for layer, kv in zip(layers, kv_caches, strict=True)))
+        self._rope = _rope_tables(model)
+        rope, *local = (table.data_ptr() for table in self._rope)
         self._shape = _Shape(arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
                              arch.head_dim, arch.intermediate_size, int(self._kv_half), int(self._gemma),
                              layers[0].input_layernorm.eps, layers[0].self_attn.scale,
-                             model.model.norm.weight.data_ptr())
-        self._layers = (_Layer * len(layers))(*(
-            _layer(layer, kv, self._gemma) for layer, kv in zip(layers, kv_caches, strict=True)))
-        # sliding-window layers (Gemma 3's) read the step's second rotary table
-        self._local_rope = any(layer.window for layer in self._layers)
-        self._caches = kv_caches  # kept alive: the structs point into them
+                             model.model.norm.weight.data_ptr(), *_embedding(model), rope,
+                             local[0] if local else None, model.rope.shape[0])
+        self._caches = kv_caches  # kept alive, as the rotary tables: the structs point into them
 
     @staticmethod
     def build(model: CausalLM, kv_caches: list[KVCache]) -> DecoderStack | None:
@@ -185,7 +207,7 @@ class DecoderStack:
         linears = [m for four in layer_linears for m in four]
         fits = (
             isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM))  # the layers stack.c runs
-            and cpu.available() and model.rope.dtype == torch.float32
+            and cpu.available() and all(_rope_table_fits(t, arch.head_dim) for t in _rope_tables(model))
             and arch.head_dim <= MAX_HEAD_DIM and arch.head_dim % 16 == 0
             and arch.hidden_size % 8 == 0 and arch.intermediate_size % 8 == 0
             and isinstance(model.model.embed_tokens, QuantEmbedding)
@@ -204,14 +226,13 @@ class DecoderStack:
                  out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden], or with `out_rows`
         (ascending int64 rows) those rows' only, [len(out_rows), hidden]: the last layer then
-        runs past its k/v write for them alone."""
-        model = self._model
-        x = model.embed_inputs(input_ids)  # becomes the residual stream
-        cos, sin = rotary_cos_sin(model.rope, positions, x.dtype)  # [T, 1, d / 2] views
-        local = rotary_cos_sin(model.rope_local, positions, x.dtype) if self._local_rope else None
-        cos2, sin2 = (None, None) if local is None else (local[0].data_ptr(), local[1].data_ptr())
-        rows, keep = _step_rows(meta, x.shape[0])  # keep: what rows points into, alive till return
-        keep.append(local)  # rows of head_dim / 2 floats, strided as cos and sin
+        runs past its k/v write for them alone. The embeddings and each row's rotary angles
+        are looked up inside the call, as the per-layer path's embed_inputs and rotary_cos_sin
+        do."""
+        ids, positions = input_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        tokens = ids.shape[0]
+        x = torch.empty(tokens, self._shape.hidden)  # becomes the residual stream
+        rows, keep = _step_rows(meta, tokens)  # keep: what rows points into, alive till return
         if out_rows is None:
             out = torch.empty_like(x)
         else:
@@ -220,13 +241,15 @@ class DecoderStack:
             rows.n_out, rows.out_rows = out_rows.shape[0], out_rows.data_ptr()
             out = x.new_empty(out_rows.shape[0], x.shape[1])
         status = self._lib.step_stack(ctypes.byref(self._shape), self._layers, ctypes.byref(rows),
-                                      x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos2, sin2,
-                                      cos.stride(0), out.data_ptr())
+                                      ids.data_ptr(), positions.data_ptr(), x.data_ptr(), out.data_ptr())
         if status == -2:
-            raise ValueError(f"decoder stack: out_rows must be rows of the step's {x.shape[0]}, "
+            raise ValueError(f"decoder stack: out_rows must be rows of the step's {tokens}, "
                              "strictly ascending")
+        if status == -3:
+            raise ValueError(f"decoder stack: token ids must lie in 0 .. {self._shape.vocab - 1} "
+                             f"and positions in 0 .. {self._shape.positions - 1}")
         if status != 0:
-            raise MemoryError(f"decoder stack: no memory for the scratch of a {x.shape[0]}-token step")
+            raise MemoryError(f"decoder stack: no memory for the scratch of a {tokens}-token step")
         return out
 
 

@@ -162,3 +162,25 @@ def test_the_stack_refuses_rows_out_of_order(driver) -> None:
     with pytest.raises(ValueError, match="ascend"):
         d.step([d.add(i, p, len(p)) for i, p in enumerate(PROMPTS[:2])])
     assert seen
+
+
+def test_the_stack_refuses_ids_and_positions_outside_its_tables(driver) -> None:
+    """The stack looks up each row's embedding and rotary angles itself: an id past the
+    vocabulary or a position past the rotary table is an error naming the bounds, not a read
+    past the tables."""
+    d, _ = driver("llama", quantization="int4", activation_quantization="int8")
+    stack, seen = d.runner.stack, []
+    vocab, positions = d.runner.arch.vocab_size, d.runner.model.rope.shape[0]
+
+    def shifted(ids, pos, meta, rows=None):
+        seen.append(1)
+        bad = (ids.clone().fill_(vocab), pos) if len(seen) == 1 else (ids, pos.clone().fill_(positions))
+        return stack(*bad, meta, rows)
+
+    d.runner.stack = type("Shifted", (), {"applies": lambda self, *a: stack.applies(*a),
+                                          "__call__": lambda self, *a: shifted(*a)})()
+    for _ in range(2):
+        with pytest.raises(ValueError, match=rf"token ids must lie in 0 \.\. {vocab - 1} and positions in "
+                                             rf"0 \.\. {positions - 1}"):
+            d.step([d.add(0, PROMPTS[0], len(PROMPTS[0]))])
+    assert len(seen) == 2

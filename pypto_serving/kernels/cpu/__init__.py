@@ -47,7 +47,7 @@ SIGNATURES = {
     "rope_write_kv": [_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I],
     "decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _F, _P, _P, _I, _I],
     "prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _P, _I, _I],
-    "step_stack": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P],
+    "step_stack": [_P, _P, _P, _P, _P, _P, _P],
     "decode_scores_len": [_I, _I, _I],
     "argmax_rows": [_P, _I, _I, _I, _P],
     "stack_layout": [_P, _I],

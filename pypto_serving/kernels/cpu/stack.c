@@ -16,6 +16,8 @@ void qlinear(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8
              const uint16_t *z, int64_t bits, const float *bias, float *y);
 int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
                    const uint16_t *z, int64_t bits, const float *bias, float *y, int64_t planes);
+void qgather(const int64_t *ids, int64_t t, int64_t k, const uint8_t *q, const uint16_t *s, const uint16_t *z,
+             int64_t bits, float *out);
 void add_rms_norm(const float *x, float *residual, const float *weight, float eps, int64_t t, int64_t d,
                   float *out);
 void silu_and_mul(const float *gate_up, int64_t t, int64_t n, float *out);
@@ -64,6 +66,16 @@ typedef struct {
     int64_t gemma; /* Gemma 3's layer: (1 + w) norms, post-norms added to the residual, GeGLU */
     float eps, scale;
     const float *final_norm;
+    /* the token embeddings: a packed table (qlinear.c's layout, read by qgather) of `vocab` rows
+     * of `hidden`, each row then multiplied by embed_mul (Gemma 3's sqrt(hidden); 0: not) */
+    const uint8_t *embed_q;
+    const uint16_t *embed_scale, *embed_zero;
+    int64_t embed_bits, vocab;
+    float embed_mul;
+    /* cos and sin per position, [positions, 2, head_dim / 2] (kernels/rotary.py's table); the
+     * sliding-window layers' own (Gemma 3), or NULL where no layer has a window */
+    const float *rope, *rope_local;
+    int64_t positions;
 } Shape;
 
 /* A prefill chunk: rows start .. start + n - 1 of the step, the last n of its n_ctx context
@@ -112,7 +124,10 @@ int64_t stack_layout(int64_t *out, int64_t cap) {
         FIELD(StepRows, out_rows), -1,
         sizeof(Shape), FIELD(Shape, layers), FIELD(Shape, hidden), FIELD(Shape, heads),
         FIELD(Shape, kv_heads), FIELD(Shape, head_dim), FIELD(Shape, intermediate), FIELD(Shape, kv_half),
-        FIELD(Shape, gemma), FIELD(Shape, eps), FIELD(Shape, scale), FIELD(Shape, final_norm), -1,
+        FIELD(Shape, gemma), FIELD(Shape, eps), FIELD(Shape, scale), FIELD(Shape, final_norm),
+        FIELD(Shape, embed_q), FIELD(Shape, embed_scale), FIELD(Shape, embed_zero), FIELD(Shape, embed_bits),
+        FIELD(Shape, vocab), FIELD(Shape, embed_mul), FIELD(Shape, rope), FIELD(Shape, rope_local),
+        FIELD(Shape, positions), -1,
     };
     int64_t n = (int64_t)(sizeof layout / sizeof layout[0]);
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = layout[i];
@@ -256,25 +271,29 @@ static int64_t gemma_back(const Shape *sh, const Layer *L, int64_t t, float *res
     return 0;
 }
 
-/* x [t, hidden]: the embeddings of the step's tokens (overwritten: it becomes the residual).
- * cos/sin rows [t] with row stride ld_cs; cos2/sin2 the same for sliding-window layers (NULL
- * when none is one). out: final-normed hidden, [t, hidden], or with r->n_out >= 0 the out rows'
- * [n_out, hidden] in their order. Then the last layer runs past its k/v write for those rows
- * only (no other row's hidden state is read on: a prefill chunk's rows but its last, or all of
- * a chunk that does not end its prompt): per row the same arithmetic, so the same results.
+/* The step's t tokens ids [t] at positions [t]. x [t, hidden]: scratch for their embeddings
+ * (they become the residual). out: final-normed hidden, [t, hidden], or with r->n_out >= 0 the
+ * out rows' [n_out, hidden] in their order. Then the last layer runs past its k/v write for those
+ * rows only (no other row's hidden state is read on: a prefill chunk's rows but its last, or all
+ * of a chunk that does not end its prompt): per row the same arithmetic, so the same results.
  * Returns 0, -1 when its scratch memory cannot be allocated, -2 when out_rows is not strictly
- * ascending within 0 .. t - 1 (or names a row the description does not). */
-int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, float *x, const float *cos,
-                   const float *sin, const float *cos2, const float *sin2, int64_t ld_cs, float *out) {
+ * ascending within 0 .. t - 1 (or names a row the description does not), -3 when an id is not
+ * in the vocabulary or a position not in the rotary table. */
+int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, const int64_t *ids,
+                   const int64_t *positions, float *x, float *out) {
     int64_t t = r->t, hidden = sh->hidden, d = sh->head_dim, width = (sh->heads + 2 * sh->kv_heads) * d;
     int64_t n_out = r->n_out < 0 ? -1 : r->n_out; /* -1: every row, in place */
     if (n_out > t) return -2;
     for (int64_t i = 0; i < n_out; i++)
         if (r->out_rows[i] < (i ? r->out_rows[i - 1] + 1 : 0) || r->out_rows[i] >= t) return -2;
     if (n_out == t) n_out = -1; /* ascending and t of them: every row */
+    for (int64_t i = 0; i < t; i++)
+        if (ids[i] < 0 || ids[i] >= sh->vocab || positions[i] < 0 || positions[i] >= sh->positions)
+            return -3;
     int64_t attn_width = sh->heads * d, gathered = r->decode_rows ? r->n_decode * attn_width : 0;
     int64_t shared = width + attn_width > 3 * sh->intermediate ? width + attn_width : 3 * sh->intermediate;
-    size_t floats = (size_t)t * (hidden * 2 + shared) + 2 * gathered +
+    int64_t tables = sh->rope_local ? 2 : 1; /* each row's cos and sin, per rotary table */
+    size_t floats = (size_t)t * (hidden * 2 + shared + tables * d) + 2 * gathered +
                     (size_t)decode_scores_len(r->n_decode, sh->heads, r->max_len);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
@@ -285,6 +304,18 @@ int64_t step_stack(const Shape *sh, const Layer *layers, const StepRows *r, floa
     s.ds.scores = s.qkv + t * shared;
     s.ds.q = s.ds.scores + decode_scores_len(r->n_decode, sh->heads, r->max_len);
     s.ds.out = s.ds.q + gathered;
+    /* the rows' cos | sin, [t, d] a table, after everything else: one row each from the
+     * table at the row's position (as rotary_cos_sin gathers them for the per-layer path) */
+    float *cos = s.ds.out + gathered, *cos2 = sh->rope_local ? cos + t * d : NULL;
+    for (int64_t i = 0; i < t; i++) {
+        memcpy(cos + i * d, sh->rope + positions[i] * d, d * sizeof(float));
+        if (cos2) memcpy(cos2 + i * d, sh->rope_local + positions[i] * d, d * sizeof(float));
+    }
+    const float *sin = cos + d / 2, *sin2 = cos2 ? cos2 + d / 2 : NULL;
+    const int64_t ld_cs = d;
+    qgather(ids, t, hidden, sh->embed_q, sh->embed_scale, sh->embed_zero, sh->embed_bits, x);
+    if (sh->embed_mul != 0.0f)
+        for (int64_t i = 0; i < t * hidden; i++) x[i] *= sh->embed_mul;
     float *residual = x;
     int64_t failed = 0, rows = n_out >= 0 ? n_out : t;
     for (int64_t l = 0; l < sh->layers && !failed; l++) {
