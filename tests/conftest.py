@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pypto_serving.app.packaged_models import PackagedModelMissing, gemma3_path, smollm2_path
-from tests.oracles import gguf_parsed_once, transformers_tokenizer
+from tests.oracles import transformers_model, transformers_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -41,30 +41,19 @@ def smollm2_tokenizer(smollm2_gguf: str):
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf: str):
     """transformers' own load of the packaged SmolLM2 GGUF (fp32): the oracle. Slow, so shared."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with gguf_parsed_once():
-        model = AutoModelForCausalLM.from_pretrained(smollm2_gguf, gguf_file=smollm2_gguf,
-                                                     dtype=torch.float32)
-    return model.eval()
+    return transformers_model(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
 def hf_gemma3(gemma3_gguf: str):
     """transformers' own load of the packaged Gemma 3 GGUF (fp32): the oracle (~50 s on 2 cores)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with gguf_parsed_once():
-        model = AutoModelForCausalLM.from_pretrained(gemma3_gguf, gguf_file=gemma3_gguf, dtype=torch.float32)
-    return model.eval()
+    return transformers_model(gemma3_gguf)
 
 
 @pytest.fixture(scope="session")
 def hf_gemma3_tokenizer(gemma3_gguf: str):
     """transformers' tokenizer of the packaged Gemma 3 GGUF (the class AutoTokenizer picks)."""
-    return transformers_tokenizer(Path(gemma3_gguf), "gemma3")
+    return transformers_tokenizer(Path(gemma3_gguf))
 
 
 @pytest.fixture(scope="session")

@@ -34,14 +34,11 @@ TEXTS = [
 # --- the packaged byte-level BPE models ---------------------------------------------------
 
 
-MODEL_TYPES = {"smollm2": "llama", "qwen2.5-coder": "qwen2"}  # general.architecture of each file
-
-
 @pytest.fixture(scope="module", params=["smollm2", "qwen2.5-coder"])
 def pair(request: pytest.FixtureRequest) -> tuple[GGUFTokenizerData, object]:
     """(ours, transformers') for one packaged model."""
     path = smollm2_path() if request.param == "smollm2" else qwen_coder_path()
-    return read_gguf_tokenizer(path), transformers_tokenizer(path, MODEL_TYPES[request.param])
+    return read_gguf_tokenizer(path), transformers_tokenizer(path)
 
 
 

@@ -59,13 +59,10 @@ TOOL_TURNS = [
 TEXTS = ["Hello world", "  indented\n\tcode()", "<|im_start|>user\nhi<|im_end|>", "naïve 🙂👍🏽 你好", ""]
 
 
-MODEL_TYPES = {"smollm2": "llama", "qwen": "qwen2"}  # general.architecture of each file
-
-
 @pytest.fixture(scope="module", params=["smollm2", "qwen"])
 def pair(request: pytest.FixtureRequest) -> tuple[Tokenizer, Any]:
     path: Path = request.getfixturevalue(f"{request.param}_path")
-    oracle = transformers_tokenizer(path, MODEL_TYPES[request.param])
+    oracle = transformers_tokenizer(path)
     return request.getfixturevalue(request.param), oracle
 
 
