@@ -121,8 +121,13 @@ def _plain(value: Any) -> Any:
 
 
 def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    # Templates handle a missing key but often render a None as "None" or crash on it.
+    # Templates handle a missing key but often render a None as "None" or crash on it. Content
+    # is the exception: templates without tool support concatenate it unconditionally, and an
+    # assistant turn that only called tools has none (OpenAI clients send null), so it renders
+    # as "" (as vLLM renders it); tool-aware templates test it for truth, which "" also fails.
     msg = {k: _plain(v) for k, v in message.items() if v is not None}
+    if "content" in message and message["content"] is None:
+        msg["content"] = ""
     reasoning = next((msg[k] for k in _REASONING_FIELDS if k in msg), None)
     if reasoning is not None:
         msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}

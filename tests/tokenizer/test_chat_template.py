@@ -78,10 +78,16 @@ def test_add_generation_prompt_and_block_trimming() -> None:
     assert render(template, add_generation_prompt=False) == "<user>hi\n"
 
 
-def test_none_fields_are_dropped_and_reasoning_is_aliased() -> None:
-    template = "{% for m in messages %}{{ m.content is defined }}|{{ m.reasoning_content }}{% endfor %}"
-    messages = [{"role": "assistant", "content": None, "reasoning": "because"}]
-    assert render(template, messages) == "False|because"
+def test_none_fields_are_dropped_but_content_and_reasoning_is_aliased() -> None:
+    """A null field is dropped, except content, which templates without tool support
+    concatenate unconditionally: it renders as "" (vLLM's rendering of an assistant turn that
+    only called tools)."""
+    template = ("{% for m in messages %}{{ m.name is defined }}|{{ m.content is defined }}:{{ m.content }}|"
+                "{{ m.reasoning_content }}{% endfor %}")
+    messages = [{"role": "assistant", "content": None, "name": None, "reasoning": "because"}]
+    assert render(template, messages) == "False|True:|because"
+    concatenating = "{% for m in messages %}{{ '<' + m.role + '>' + m.content }}{% endfor %}"
+    assert render(concatenating, messages) == "<assistant>"
 
 
 def test_dataclass_and_enum_values_are_plain_data_to_the_template() -> None:

@@ -162,3 +162,13 @@ def test_gemma3_has_no_template_and_renders_gemma_turns_as_transformers(gemma3_g
     with pytest.raises(ChatTemplateError, match="must alternate"):
         ours.apply_chat_template([{"role": "assistant", "content": "hi"}], chat_template=GEMMA_TURNS)
     assert ours.token_to_id("<end_of_turn>") in ours.eos_token_ids  # a chat reply ends at its turn's end
+
+
+def test_a_tool_call_turn_with_null_content_renders_in_a_template_without_tools(smollm2: Tokenizer) -> None:
+    """What the OpenAI SDK sends back after a tool call: the assistant turn with content null.
+    SmolLM2's template concatenates every message's content; the turn renders with "" there."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    text = smollm2.apply_chat_template(history)
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n42<|im_end|>" in text
