@@ -200,6 +200,9 @@ class RequestStream:
                         parser: ReplyParser) -> AsyncIterator[Echo | TextDelta | Finished]:
         detok = IncrementalDetokenizer(self.tokenizer, list(prompt_ids))
         stop = StopMatcher(list(self.request.stop))
+        # As in vLLM, no stop string ends a reply in its first min_tokens tokens: their text
+        # is not searched (speculation waits for min_tokens, so they come one a message)
+        unchecked = self.request.sampling.min_tokens
         count = 0
         while True:
             msg = await self._receive()
@@ -209,9 +212,10 @@ class RequestStream:
                 yield self._echo(prompt_ids, prompt_text, msg)
             count += len(msg.token_ids)
             self._generated = count
-            text, stopped = stop.push(detok.push(list(msg.token_ids)))
+            piece, checked = detok.push(list(msg.token_ids)), count > unchecked
+            text, stopped = stop.push(piece) if checked else (piece, False)
             if msg.finish_reason is not None and not stopped:
-                more, stopped = self._flush(detok, stop)
+                more, stopped = self._flush(detok, stop) if checked else (detok.flush(), False)
                 text += more
             delta = parser.push(text)
             ending = stopped or msg.finish_reason is not None or delta.error is not None

@@ -66,6 +66,7 @@ class GenerateRequest:
     reply: ReplyFormat = ReplyFormat()  # reasoning and tool-call parsing of the output
     grammar_param: str | None = None  # the field that asked for `sampling.grammar`
     echo: bool = False  # the prompt's text comes back first (`Echo`)
+    score_only: bool = False  # echo with max_tokens 0: the one token sampled is not an output
 
 
 CHARS_PER_TOKEN = 4  # about what BPE tokenizers average on English text

@@ -34,6 +34,7 @@ def whole(**bounds: int) -> Any:
 
 
 Positive = whole(ge=1)
+TopK = whole(ge=-1)
 NonNegative = whole(ge=0)
 Int64 = whole(ge=-(2**63), le=2**63 - 1)
 Choices = whole(ge=1, le=MAX_CHOICES)
@@ -95,7 +96,7 @@ class GenerateFields(Unimplemented, kw_only=True):
     max_tokens: Positive | None | UnsetType = UNSET
     temperature: Annotated[float, Meta(ge=0.0)] | None | UnsetType = UNSET
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None | UnsetType = UNSET
-    top_k: Positive | None | UnsetType = UNSET
+    top_k: TopK | None | UnsetType = UNSET  # 0 and -1: no cut, as vLLM takes them
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -201,6 +202,9 @@ class ChatBody(GenerateFields, kw_only=True):
     chat_template: Any = None
     documents: Any = None
     echo: Any = None  # vLLM's chat echo (of the last message)
+    store: Any = None  # OpenAI's stored completions
+    service_tier: Any = None
+    verbosity: Any = None  # OpenAI's reply length control for its reasoning models
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -278,6 +282,9 @@ UNIMPLEMENTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (None, False),
     "chat_template": (None,),
     "documents": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "verbosity": (None, "medium"),
 }
 
 # Fields of UNIMPLEMENTED_DEFAULTS that one body implements after all.

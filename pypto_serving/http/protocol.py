@@ -214,7 +214,7 @@ def _sampling(body: GenerateFields, defaults: GenerateDefaults, logprobs: int | 
     return SamplingParams(
         temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=_or(_pick(body.top_p, defaults.top_p), 1.0),
-        top_k=min(top_k, TOP_K_CAP),
+        top_k=min(max(top_k, 0), TOP_K_CAP),  # -1 (vLLM's old default) and 0: no cut
         min_p=_or(body.min_p, 0.0),
         seed=_pick(body.seed, defaults.seed),
         presence_penalty=_or(body.presence_penalty, 0.0),
@@ -283,7 +283,7 @@ def parse_completion(body: CompletionBody, defaults: GenerateDefaults) -> Parsed
     request = _generate_request("cmpl", tuple(prompt) if isinstance(prompt, list) else prompt,
                                 body, defaults, max_tokens or 1, body.logprobs, ignore_eos=True,
                                 prompt_logprobs=scored)
-    return Parsed(dataclasses.replace(request, echo=echo), **options,
+    return Parsed(dataclasses.replace(request, echo=echo, score_only=max_tokens == 0), **options,
                   prompt_logprobs=body.prompt_logprobs, echo_only=max_tokens == 0)
 
 

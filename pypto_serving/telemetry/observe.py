@@ -22,10 +22,12 @@ log = structlog.get_logger()
 
 class RequestObserver:
     def __init__(self, request_id: str, metrics: EngineMetrics, recorder: SpanRecorder,
-                 max_tokens_param: int | None = None):
-        """`max_tokens_param`: the request's max_tokens as the client gave it (None: not given)."""
+                 max_tokens_param: int | None = None, score_only: bool = False):
+        """`max_tokens_param`: the request's max_tokens as the client gave it (None: not given);
+        `score_only`: the request only scores its prompt, and the token it samples is no output."""
         self.request_id = request_id
         self.max_tokens_param = max_tokens_param
+        self.score_only = score_only
         self.metrics = metrics
         self.recorder = recorder
         self.log = log.bind(request_id=request_id)
@@ -51,10 +53,11 @@ class RequestObserver:
             case TextDelta(text, token_ids):
                 if self._content is not None:
                     self._output.append(event.reasoning + text)
-                if token_ids:
+                if token_ids and not self.score_only:
                     self._tokens(len(token_ids))
             case Finished():
-                self._finished(event.finish_reason, event.prompt_tokens, event.completion_tokens,
+                self._finished(event.finish_reason, event.prompt_tokens,
+                               0 if self.score_only else event.completion_tokens,
                                cached_tokens=event.cached_tokens, error=event.error)
 
     def close(self) -> None:

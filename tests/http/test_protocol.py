@@ -77,11 +77,16 @@ def test_min_tokens_must_fit_the_selected_maximum():
     rejected(chat, "min_tokens", ">= 0", min_tokens=-1)
 
 
+def test_top_k_0_and_minus_1_mean_no_cut_as_in_vllm():
+    for value in (0, -1):
+        assert completion(top_k=value).request.sampling.top_k == 0
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("temperature", -0.1, [">= 0.0"]),
     ("top_p", 0, ["> 0.0"]),
     ("top_p", 1.5, ["<= 1.0"]),
-    ("top_k", 0, [">= 1"]),
+    ("top_k", -2, [">= -1"]),
     ("min_p", 2, ["<= 1.0"]),
     ("presence_penalty", 3, ["<= 2.0"]),
     ("frequency_penalty", -3, [">= -2.0"]),
@@ -169,6 +174,13 @@ def test_unimplemented_fields_at_their_defaults_and_unknown_fields_pass():
     completion(echo=False, logit_bias={}, response_format={"type": "text"}, best_of=1,
                skip_special_tokens=True, some_future_field=[1, 2])
     chat(modalities=["text"], parallel_tool_calls=True, tool_choice="none", user="u", include_reasoning=False)
+
+
+def test_openai_fields_that_ask_for_what_this_server_lacks_are_400s():
+    chat(store=False, service_tier="auto", verbosity="medium")
+    chat(service_tier="default")
+    for field, value in (("store", True), ("service_tier", "priority"), ("verbosity", "high")):
+        assert rejected(chat, field, "not supported", **{field: value}).param == field
 
 
 def test_tools_need_a_parser():
