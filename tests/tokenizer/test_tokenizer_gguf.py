@@ -168,7 +168,8 @@ def test_a_tool_call_turn_with_null_content_renders_in_a_template_without_tools(
     """What the OpenAI SDK sends back after a tool call: the assistant turn with content null.
     SmolLM2's template concatenates every message's content; the turn renders with "" there."""
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
-    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     text = smollm2.apply_chat_template(history)
     assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n42<|im_end|>" in text
