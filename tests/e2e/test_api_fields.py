@@ -167,10 +167,12 @@ def test_temperature_zero_is_greedy_and_cutoffs_are_applied(http: httpx.Client):
     assert text_of(complete(http, **hot)) != greedy  # this seed samples away from greedy...
     for cutoff in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
         assert text_of(complete(http, **hot, **cutoff)) == greedy, cutoff  # ...which a cutoff prevents
-    for field, value in (("temperature", -0.5), ("top_p", 0), ("top_p", 1.01), ("top_k", 0),
+    for field, value in (("temperature", -0.5), ("top_p", 0), ("top_p", 1.01), ("top_k", -2),
                          ("min_p", 1.5)):
         assert_error(http.post("/v1/completions", json={"prompt": "x", field: value}), field)
     complete(http, prompt="x", top_k=None, max_tokens=1)
+    for no_cut in (0, -1):  # as vLLM takes them: the whole vocabulary
+        assert text_of(complete(http, **hot, top_k=no_cut)) == text_of(complete(http, **hot)), no_cut
 
 
 def test_penalties_change_what_repeats(http: httpx.Client):

@@ -68,7 +68,7 @@ def test_invalid_values(http: httpx.Client):
     assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), "max_tokens")
     assert_error(http.post("/v1/completions", json={"prompt": "x", "temperature": -1}), "temperature")
     assert_error(http.post("/v1/completions", json={"prompt": "x", "top_p": 0}), "top_p")
-    assert_error(http.post("/v1/completions", json={"prompt": "x", "top_k": 0}), "top_k")
+    assert_error(http.post("/v1/completions", json={"prompt": "x", "top_k": -2}), "top_k")  # 0, -1: no cut
 
 
 def test_prompt_longer_than_max_model_len(http: httpx.Client):
