@@ -134,10 +134,20 @@ def accept_request_id(given: str | None) -> str:
 
 
 def route_path(request: web.BaseRequest) -> str:
-    """The matched route's canonical path: a bounded metric label, unlike `request.path`."""
+    """The matched route's canonical path: a bounded metric label, unlike `request.path`. A
+    wrong method on a known path (405) counts under that path's route too."""
     route = getattr(request.match_info, "route", None)
     resource = getattr(route, "resource", None)
-    return UNMATCHED if resource is None else resource.canonical
+    if resource is not None:
+        return resource.canonical
+    if not isinstance(getattr(request.match_info, "http_exception", None), web.HTTPMethodNotAllowed):
+        return UNMATCHED
+    path = request.path
+    for known in request.app.router.resources():
+        info = known.get_info()
+        if info.get("path") == path or ("pattern" in info and info["pattern"].fullmatch(path)):
+            return known.canonical
+    return UNMATCHED
 
 
 def key_matches(token: str, keys: tuple[bytes, ...]) -> bool:

@@ -315,6 +315,23 @@ async def test_requests_are_counted_by_route_and_status():
     assert metrics.snapshot()["by_status"] == {"200": 4, "401": 1, "404": 3}
 
 
+async def test_a_wrong_method_counts_under_its_route():
+    metrics = HttpMetrics()
+    async with serve(EdgeConfig(), metrics) as client:
+        assert (await client.get("/v1/echo")).status == 405
+        assert (await client.post("/v1/items/7")).status == 405
+        assert (await client.post("/nowhere")).status == 404
+    samples = scrape(metrics)
+
+    def ours(method: str, path: str, status: str) -> float:
+        labels = frozenset({"method": method, "path": path, "status": status}.items())
+        return samples.get(("pypto:http_requests_total", labels), 0)
+
+    assert ours("GET", "/v1/echo", "405") == 1
+    assert ours("POST", "/v1/items/{item}", "405") == 1
+    assert ours("POST", "unmatched", "404") == 1
+
+
 def test_snapshot_lists_requests_and_durations():
     metrics = HttpMetrics()
     metrics.observe("GET", "/health", 200, 0.002)
