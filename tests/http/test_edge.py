@@ -284,6 +284,12 @@ def scrape(metrics: HttpMetrics) -> dict[tuple[str, frozenset], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def counted(samples: dict[tuple[str, frozenset], float], method: str, path: str, status: str) -> float:
+    """pypto:http_requests_total's sample for the labels."""
+    labels = frozenset({"method": method, "path": path, "status": status}.items())
+    return samples.get(("pypto:http_requests_total", labels), 0)
+
+
 async def test_requests_are_counted_by_route_and_status():
     metrics = HttpMetrics()
     async with serve(EdgeConfig(api_keys=(KEY,)), metrics) as client:
@@ -296,14 +302,10 @@ async def test_requests_are_counted_by_route_and_status():
             await client.get(f"/random-{i}", headers=AUTH)
     samples = scrape(metrics)
 
-    def ours(method: str, path: str, status: str) -> float:
-        labels = frozenset({"method": method, "path": path, "status": status}.items())
-        return samples.get(("pypto:http_requests_total", labels), 0)
-
-    assert ours("POST", "/v1/echo", "200") == 2
-    assert ours("POST", "/v1/echo", "401") == 1
-    assert ours("GET", "/v1/items/{item}", "200") == 2  # the route, not each path
-    assert ours("GET", "unmatched", "404") == 3
+    assert counted(samples, "POST", "/v1/echo", "200") == 2
+    assert counted(samples, "POST", "/v1/echo", "401") == 1
+    assert counted(samples, "GET", "/v1/items/{item}", "200") == 2  # the route, not each path
+    assert counted(samples, "GET", "unmatched", "404") == 3
     vllm = frozenset({"handler": "/v1/echo", "method": "POST", "status": "4xx"}.items())
     assert samples[("http_requests_total", vllm)] == 1
     none = frozenset({"handler": "none", "method": "GET", "status": "4xx"}.items())
@@ -323,13 +325,9 @@ async def test_a_wrong_method_counts_under_its_route():
         assert (await client.post("/nowhere")).status == 404
     samples = scrape(metrics)
 
-    def ours(method: str, path: str, status: str) -> float:
-        labels = frozenset({"method": method, "path": path, "status": status}.items())
-        return samples.get(("pypto:http_requests_total", labels), 0)
-
-    assert ours("GET", "/v1/echo", "405") == 1
-    assert ours("POST", "/v1/items/{item}", "405") == 1
-    assert ours("POST", "unmatched", "404") == 1
+    assert counted(samples, "GET", "/v1/echo", "405") == 1
+    assert counted(samples, "POST", "/v1/items/{item}", "405") == 1
+    assert counted(samples, "POST", "unmatched", "404") == 1
 
 
 def test_snapshot_lists_requests_and_durations():
