@@ -301,7 +301,6 @@ async def test_requests_are_counted_by_route_and_status():
         for i in range(3):
             await client.get(f"/random-{i}", headers=AUTH)
     samples = scrape(metrics)
-
     assert counted(samples, "POST", "/v1/echo", "200") == 2
     assert counted(samples, "POST", "/v1/echo", "401") == 1
     assert counted(samples, "GET", "/v1/items/{item}", "200") == 2  # the route, not each path
@@ -324,7 +323,6 @@ async def test_a_wrong_method_counts_under_its_route():
         assert (await client.post("/v1/items/7")).status == 405
         assert (await client.post("/nowhere")).status == 404
     samples = scrape(metrics)
-
     assert counted(samples, "GET", "/v1/echo", "405") == 1
     assert counted(samples, "POST", "/v1/items/{item}", "405") == 1
     assert counted(samples, "POST", "unmatched", "404") == 1
