@@ -50,6 +50,13 @@ def test_forced_tool_call_shape(tokenizer: Tokenizer):
     assert not accepts(tokenizer, grammar, '{"name": "other", "arguments": {}}')
 
 
+def test_a_function_without_parameters_takes_no_arguments(tokenizer: Tokenizer):
+    ping = {"type": "function", "function": {"name": "ping", "description": "Ping the server"}}
+    for grammar in (tool_choice_grammar([ping], "ping"), tool_choice_grammar([ping, WEATHER], None)):
+        assert accepts(tokenizer, grammar, '{"name": "ping", "arguments": {}}')
+        assert not accepts(tokenizer, grammar, '{"name": "ping", "arguments": {"city": "Paris"}}')
+
+
 def test_bad_formats_are_400s(tokenizer: Tokenizer):
     with pytest.raises(InvalidRequest, match="response_format.type"):
         response_format_grammar({"type": "xml"})

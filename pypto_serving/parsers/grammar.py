@@ -42,7 +42,8 @@ def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     a `$id` makes it a schema resource of its own, so they still resolve inside it, and two
     tools' same-named `$defs` stay apart (tool names are unique and URN-safe)."""
     function = tool["function"]
-    params = function.get("parameters") or {"type": "object"}
+    # as OpenAI reads it, a function without `parameters` takes none: its arguments are {}
+    params = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
     params = {"$id": f"urn:pypto-serving:tool:{function['name']}", **params}  # its own $id wins
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
