@@ -200,8 +200,8 @@ class RequestStream:
                         parser: ReplyParser) -> AsyncIterator[Echo | TextDelta | Finished]:
         detok = IncrementalDetokenizer(self.tokenizer, list(prompt_ids))
         stop = StopMatcher(list(self.request.stop))
-        # As in vLLM, no stop string ends a reply in its first min_tokens tokens: their text
-        # is not searched (speculation waits for min_tokens, so they come one a message)
+        # As in vLLM, no stop string ends in the text of a reply's first min_tokens tokens (one
+        # token a message until then: speculation waits for min_tokens)
         unchecked = self.request.sampling.min_tokens
         count = 0
         while True:
@@ -212,10 +212,10 @@ class RequestStream:
                 yield self._echo(prompt_ids, prompt_text, msg)
             count += len(msg.token_ids)
             self._generated = count
-            piece, checked = detok.push(list(msg.token_ids)), count > unchecked
-            text, stopped = stop.push(piece) if checked else (piece, False)
+            search = count > unchecked
+            text, stopped = stop.push(detok.push(list(msg.token_ids)), search)
             if msg.finish_reason is not None and not stopped:
-                more, stopped = self._flush(detok, stop) if checked else (detok.flush(), False)
+                more, stopped = self._flush(detok, stop, search)
                 text += more
             delta = parser.push(text)
             ending = stopped or msg.finish_reason is not None or delta.error is not None
@@ -234,9 +234,9 @@ class RequestStream:
                 return
 
     @staticmethod
-    def _flush(detok: IncrementalDetokenizer, stop: StopMatcher) -> tuple[str, bool]:
+    def _flush(detok: IncrementalDetokenizer, stop: StopMatcher, search: bool = True) -> tuple[str, bool]:
         """The text still held at the end; a held match can turn out to be the stop."""
-        text, stopped = stop.push(detok.flush())
+        text, stopped = stop.push(detok.flush(), search)
         if not stopped:
             text += stop.flush()
         return text, stop.stopped

@@ -27,7 +27,7 @@ class GenerateDefaults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_new_tokens: Annotated[int, Meta(ge=1)] | None = 256
     temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # 0 and -1: no cut, as in a request
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: Annotated[list[_StopString], Meta(max_length=MAX_STOP_STRINGS)] = []
     stream: bool = False

@@ -60,6 +60,36 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     store: bool = True
     ignore_eos: bool | None = None  # vLLM's extension (its benchmark client sends it)
+    # known, not implemented: refused unless at a default (UNIMPLEMENTED)
+    text: Any = None
+    background: Any = None
+    service_tier: Any = None
+    include: Any = None
+    top_logprobs: Any = None
+    conversation: Any = None
+    truncation: Any = None
+    reasoning: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+
+
+# Values a known but unimplemented Responses field may take: the defaults, which ask for
+# nothing this server lacks (as chat's and completions' bodies.UNIMPLEMENTED_DEFAULTS)
+UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "text": (None, {"format": {"type": "text"}}), "background": (None, False),
+    "service_tier": (None, "auto", "default"), "include": (None, []), "top_logprobs": (None, 0),
+    "conversation": (None,), "truncation": (None, "disabled"), "reasoning": (None,),
+    "max_tool_calls": (None,), "prompt": (None,),
+}
+
+
+def refuse_unimplemented(body: ResponsesBody) -> None:
+    for field, allowed in UNIMPLEMENTED.items():
+        value = getattr(body, field)
+        if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
+            default = msgspec.json.encode(allowed[-1]).decode()
+            raise InvalidRequest(f"'{field}' is not supported by this server; remove it or set it to "
+                                 f"{default}", field)
 
 
 # -- the response ----------------------------------------------------------------------
@@ -393,6 +423,7 @@ class ResponsesEndpoint:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
             body = protocol.decode_body(await request.read(), ResponsesBody)
+            refuse_unimplemented(body)
             history = self.store.history(body.previous_response_id)
             parsed = protocol.parse_chat(chat_body(body, history), self.defaults, self.parsers)
         except InvalidRequest as exc:

@@ -23,18 +23,27 @@ class StopMatcher:
         self._prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
         self._longest_prefix = max((len(p) for p in self._prefixes), default=0)
         self._held = ""
+        self._unsearched = 0  # leading characters of _held that no stop string may end in
         self._stopped = False
 
     @property
     def stopped(self) -> bool:
         return self._stopped
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string has been reached)."""
+    def push(self, text: str, search: bool = True) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string has been reached). With `search`
+        False (the text of a reply's first min_tokens tokens, as vLLM treats it) no stop
+        string may end in `text`, but its tail stays held: a stop string may start there and
+        end in text searched later."""
         if self._stopped:
             return "", True
         pending = self._held + text
+        if not search:
+            keep = min(len(pending), self._longest_prefix)
+            self._held, self._unsearched = pending[len(pending) - keep:], keep
+            return pending[: len(pending) - keep], False
         cut = self._first_match(pending)
+        self._unsearched = 0
         undecided = len(pending) - self._held_tail_length(pending)
         if cut is not None and cut <= undecided:
             self._held, self._stopped = "", True
@@ -54,7 +63,9 @@ class StopMatcher:
         return held if cut is None else held[:cut]
 
     def _first_match(self, text: str) -> int | None:
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        """The earliest start of a stop string in `text` that ends past its unsearched head."""
+        found = [i for i in (text.find(s, max(0, self._unsearched - len(s) + 1)) for s in self._stops)
+                 if i >= 0]
         return min(found, default=None)
 
     def _held_tail_length(self, text: str) -> int:

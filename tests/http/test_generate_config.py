@@ -23,9 +23,18 @@ def test_inline_and_file(tmp_path: Path):
     assert (config.seed, config.ignore_eos, config.top_k, config.top_p) == (4, True, 3, 0.5)
 
 
+def test_top_k_0_and_minus_1_are_server_defaults_too():
+    from tests.http.test_protocol import completion
+
+    for value in (0, -1):
+        defaults = parse_generate_config(f'{{"top_k": {value}}}')
+        assert completion(defaults).request.sampling.top_k == 0
+
+
 @pytest.mark.parametrize("text, words", [
     ('{"temprature": 1}', ["temprature"]),
     ('{"top_k": "x"}', ["top_k", "int"]),
+    ('{"top_k": -2}', ["top_k", ">= -1"]),
     ('{"max_new_tokens": 0}', ["max_new_tokens", ">= 1"]),
     ('{"temperature": -1}', ["temperature", ">= 0.0"]),
     ('{"top_p": 0}', ["top_p"]),

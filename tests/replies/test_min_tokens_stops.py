@@ -43,6 +43,13 @@ async def test_stop_strings_wait_for_min_tokens(smollm2: ScriptedServer, stream:
                 assert (choice["text"], choice["finish_reason"]) == (want, "stop"), m
 
 
+async def test_a_stop_string_may_start_inside_min_tokens_and_end_after(smollm2: ScriptedServer):
+    smollm2.say(SCRIPT)
+    async with smollm2 as client:  # ". two" starts with the second token's "."
+        choice = await complete(client, stop=[". two"], min_tokens=2)
+    assert (choice["text"], choice["finish_reason"]) == ("one", "stop")
+
+
 def _texts(raw: str) -> list[str]:
     events = [e.removeprefix("data: ") for e in raw.strip().split("\n\n")]
     return [c["text"] for e in events[:-1] for c in json.loads(e).get("choices", [])]

@@ -81,3 +81,18 @@ async def test_a_function_output_continues_the_stored_conversation(qwen: Scripte
     # the second prompt holds the first exchange: question, call and its output
     assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
     assert missing.status == 400 and missing_body["param"] == "previous_response_id"
+
+
+async def test_fields_that_ask_for_what_is_not_implemented_are_400s(qwen: ScriptedServer):
+    qwen.say("Hello.")
+    schema = {"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}}}
+    async with qwen as client:
+        await respond(client, input="Hi", text={"format": {"type": "text"}}, background=False,
+                      service_tier="auto", include=[], truncation="disabled")
+        for field, value in (("text", schema), ("background", True), ("service_tier", "flex"),
+                             ("include", ["message.output_text.logprobs"]), ("top_logprobs", 3),
+                             ("truncation", "auto"), ("reasoning", {"effort": "high"}),
+                             ("max_tool_calls", 1)):
+            r = await client.post("/v1/responses", json={"input": "Hi", field: value})
+            body = await r.json()
+            assert r.status == 400 and body["param"] == field and "not supported" in body["message"], field

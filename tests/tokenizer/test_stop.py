@@ -100,3 +100,19 @@ def test_no_stops_is_a_pass_through() -> None:
 def test_empty_stop_strings_are_ignored() -> None:
     assert StopMatcher(["", "x"]).push("abxc") == ("ab", True)
     assert StopMatcher([""]).push("abc") == ("abc", False)
+
+
+def test_unsearched_text_cannot_hold_a_stop_but_can_start_one() -> None:
+    """min_tokens' text (search=False): a stop string inside it does not stop, one that starts
+    in it and ends in searched text does (vLLM's rule)."""
+    m = StopMatcher(["\n\n"])
+    assert m.push("one", search=False) == ("on", False)  # its tail stays held
+    assert m.push("\n", search=False) == ("e", False)
+    assert m.push("\n") == ("", True)  # the held "\n" and this one
+    m = StopMatcher(["\n\n"])
+    out = [m.push("a\n\nb", search=False), m.push("c"), m.push("\n")]
+    assert out == [("a\n\n", False), ("bc", False), ("", False)]
+    assert (m.flush(), m.stopped) == ("\n", False)
+    m = StopMatcher(["ab"])  # reaching the end unsearched: nothing in the held tail may stop it
+    assert m.push("xa", search=False) == ("x", False) and m.push("b", search=False) == ("a", False)
+    assert (m.flush(), m.stopped) == ("b", False)
