@@ -267,7 +267,8 @@ class RequestStream:
         until the length limit (and stays `length`); a call cut off is never among them."""
         if error is not None:
             return done
-        return dataclasses.replace(done, finish_reason=end.finish_reason, tool_calls=end.tool_calls)
+        return dataclasses.replace(done, finish_reason=end.finish_reason, tool_calls=end.tool_calls,
+                                   cut_call=end.cut_call)
 
     def _malformed(self, done: Finished, error: str) -> Finished:
         self.log.info("invalid model output", error=error)

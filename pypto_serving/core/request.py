@@ -159,3 +159,4 @@ class Finished:
     error: str | None = None
     error_type: str = "engine_error"  # or invalid_model_output (unparsable tool calls), timeout
     tool_calls: tuple[ToolCall, ...] = ()  # the complete calls, with finish_reason tool_calls
+    cut_call: str = ""  # the text of a call max_tokens cut off: content in a reply not streamed

@@ -147,7 +147,9 @@ class Renderer:
                                     choices=[self._text_choice(i, c) for i, c in enumerate(choices)])
 
     def _chat_choice(self, index: int, c: Choice) -> r.ChatChoice:
-        text, calls = "".join(c.text), c.done.tool_calls
+        # a call cut off by max_tokens is no call: its text is content (streamed, it went out
+        # as tool-call deltas before the cut was known)
+        text, calls = "".join(c.text) + c.done.cut_call, c.done.tool_calls
         # With tool calls, no text before them is null content (OpenAI's shape).
         content = (text or None) if calls else text
         message = r.AssistantMessage("assistant", content, "".join(c.reasoning) or None,

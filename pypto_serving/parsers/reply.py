@@ -51,6 +51,7 @@ class ReplyEnd:
 
     finish_reason: str
     tool_calls: tuple[ToolCall, ...] = ()
+    cut_call: str = ""  # the text of a call max_tokens cut off (tool_calls.ToolOutcome)
 
 
 class ReplyParser:
@@ -80,7 +81,7 @@ class ReplyParser:
         delta = self._delta(split, events + tail)
         if outcome.error is not None:
             return delta, ReplyEnd("error")
-        return delta, ReplyEnd(outcome.finish_reason, outcome.calls)
+        return delta, ReplyEnd(outcome.finish_reason, outcome.calls, outcome.cut_call)
 
     def _delta(self, split: ReasoningDelta, events: list[ToolEvent] | None) -> ReplyDelta:
         reasoning = split.reasoning if self._fmt.include_reasoning else ""

@@ -68,6 +68,7 @@ class ToolOutcome:
     content: str | None
     finish_reason: str
     error: str | None = None
+    cut_call: str = ""  # the text of a call that max_tokens cut off (streamed as deltas, no call)
 
 
 class ToolParser(Protocol):
@@ -125,6 +126,7 @@ class HermesToolParser:
         self._content: list[str] = []
         self._error: str | None = None
         self._out: list[ToolEvent] = []
+        self._cut_call = ""
 
     def push(self, text: str) -> list[ToolEvent]:
         self._buf += text
@@ -143,7 +145,7 @@ class HermesToolParser:
         if calls and finish_reason in _NORMAL_ENDS and self._error is None:
             finish_reason = "tool_calls"
         content = "".join(self._content) or None
-        return self._take(), ToolOutcome(calls, content, finish_reason, self._error)
+        return self._take(), ToolOutcome(calls, content, finish_reason, self._error, self._cut_call)
 
     def _step(self) -> bool:
         """Moves the held text on as far as it can; True when there is more to do."""
@@ -283,6 +285,8 @@ class HermesToolParser:
             self._emit_content(self._fence + self._buf)
         elif not cut_by_length:
             self._reject(call, "the tool call ended before its JSON object closed")
+        else:  # not a call; its text (all of it still held) is kept for a reply not streamed
+            self._cut_call = (self._fence if call.bare else _OPEN) + self._buf
 
     def _reject(self, call: _Call, message: str) -> None:
         """A bare object that is not a call is content; a tagged one is an error."""

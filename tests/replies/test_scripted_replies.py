@@ -116,6 +116,21 @@ async def test_a_call_cut_by_length_is_not_a_call(qwen: ScriptedServer):
     assert json.loads(call["function"]["arguments"])["city"] == "Paris"
 
 
+async def test_a_call_cut_by_length_comes_back_as_content(qwen: ScriptedServer):
+    """Not streamed, the text of a call max_tokens cut off is the reply's content (a client
+    sees what the tokens it paid for said); after a complete call too."""
+    qwen.say(CALL + "\n" + CALL.replace("Paris", "Rome"))
+    tokens = qwen.tokenizer.encode(CALL, add_special_tokens=False)
+    async with qwen as client:
+        cut = (await post(client, tools=[WEATHER], max_tokens=12))["choices"][0]
+        second_cut = (await post(client, tools=[WEATHER], max_tokens=len(tokens) + 8))["choices"][0]
+    assert cut["message"]["content"] == qwen.tokenizer.decode(tokens[:12])
+    assert cut["message"]["content"].startswith('<tool_call>\n{"name": "get_weather", "arguments"')
+    assert len(second_cut["message"]["tool_calls"]) == 1 and second_cut["finish_reason"] == "length"
+    rest = second_cut["message"]["content"]  # the second call, as far as it came
+    assert CALL.startswith(rest) and len(rest) > len("<tool_call>\n{")
+
+
 async def test_tool_choice_none_leaves_the_text_alone(qwen: ScriptedServer):
     qwen.say(CALL)
     async with qwen as client:
