@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import structlog
 
-from pypto_serving.core.request import Finished, Started, TextDelta
+from pypto_serving.core.request import ChatInput, Finished, Started, TextDelta
 from pypto_serving.telemetry.metrics import EngineMetrics, finish_label
 from pypto_serving.telemetry.profiling import SpanRecorder
 
@@ -109,7 +110,12 @@ class RequestObserver:
 
 
     def _cut(self, value: object) -> str:
-        text = value if isinstance(value, str) else repr(value)
+        """A prompt as a log line shows it: text as it is, a chat's messages as JSON (not the
+        repr of the request's object); cut to --max-log-len."""
+        if isinstance(value, ChatInput):
+            text = msgspec.json.encode(value.messages).decode()
+        else:
+            text = value if isinstance(value, str) else repr(value)
         max_len = self._content[1]
         return text if max_len is None or len(text) <= max_len else text[:max_len] + "..."
 

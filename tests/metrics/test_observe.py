@@ -49,3 +49,16 @@ def test_verbose_profiles_record_each_token():
                            Finished("length", 1, 2), verbose=True)
     tokens = [e for e in recorder.stop() if e["name"] == "token"]
     assert len(tokens) == 2 and tokens[0]["args"]["request_id"] == "r1"
+
+
+def test_logged_chat_prompts_are_their_messages_as_json():
+    from structlog.testing import capture_logs
+
+    from pypto_serving.core.request import ChatInput
+
+    observer = RequestObserver("r1", EngineMetrics("m"), SpanRecorder("api"))
+    observer.log_content(ChatInput(({"role": "user", "content": "Hi"},)), 100)
+    with capture_logs() as logs:
+        observer.on_event(Started(5, 10))
+    (received,) = [e for e in logs if e["event"] == "request received"]
+    assert received["prompt"] == '[{"role":"user","content":"Hi"}]'
