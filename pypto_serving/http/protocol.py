@@ -294,6 +294,17 @@ def _check_prompt_logprobs(body: GenerateFields, stream: bool) -> None:
                              "prompt_logprobs")
 
 
+def with_request_id(parsed: Parsed, rid: str | None) -> Parsed:
+    """`parsed` with the edge's request id (the client's X-Request-Id, or a fresh one) in its
+    response id and the engine's log lines, as vLLM does: `cmpl-<X-Request-Id>`; None (an app
+    without the edge, in tests): as it is."""
+    if rid is None:
+        return parsed
+    prefix = parsed.request.request_id.split("-", 1)[0]
+    request = dataclasses.replace(parsed.request, request_id=f"{prefix}-{rid}")
+    return dataclasses.replace(parsed, request=request)
+
+
 def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers | None = None) -> Parsed:
     parsers = parsers or ModelParsers()
     options = _check_options(body, defaults)

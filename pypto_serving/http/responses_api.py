@@ -24,6 +24,7 @@ from pypto_serving.core.generate_config import GenerateDefaults
 from pypto_serving.core.request import INVALID_MODEL_OUTPUT, Finished, InvalidRequest, TextDelta
 from pypto_serving.http import bodies, protocol
 from pypto_serving.http.choices import ChoiceStreams
+from pypto_serving.http.edge import REQUEST_ID
 from pypto_serving.http.render import engine_error, error_body, json_response
 
 # -- the request -----------------------------------------------------------------------
@@ -425,7 +426,8 @@ class ResponsesEndpoint:
             body = protocol.decode_body(await request.read(), ResponsesBody)
             refuse_unimplemented(body)
             history = self.store.history(body.previous_response_id)
-            parsed = protocol.parse_chat(chat_body(body, history), self.defaults, self.parsers)
+            parsed = protocol.with_request_id(protocol.parse_chat(chat_body(body, history), self.defaults,
+                                                                  self.parsers), request.get(REQUEST_ID))
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
         builder = ResponseBuilder(body, body.model or self.served_name)

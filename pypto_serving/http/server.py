@@ -7,7 +7,6 @@ render the engine's events.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import importlib.metadata
 import time
@@ -139,7 +138,7 @@ class Handlers:
                 parsed = protocol.parse_completion(body, self.defaults)
         except InvalidRequest as exc:
             return json_response(error_body(exc.message, exc.param), 400)
-        parsed = _with_request_id(parsed, request)
+        parsed = protocol.with_request_id(parsed, request.get(REQUEST_ID))
         gen = parsed.request
         self.engine.metrics.observe("request_params_n", parsed.n)
         renderer = Renderer(gen.request_id, body.model or self.served_name, chat, gen.sampling.logprobs,
@@ -235,17 +234,6 @@ def _engine_unavailable(reason: str) -> web.Response:
                                         code=503), 503)
     response.headers["Retry-After"] = "1"
     return response
-
-
-def _with_request_id(parsed: protocol.Parsed, request: web.Request) -> protocol.Parsed:
-    """The edge's request id (the client's X-Request-Id, or a fresh one) in the response id
-    and the engine's log lines, as vLLM does: `cmpl-<X-Request-Id>`."""
-    rid = request.get(REQUEST_ID)
-    if rid is None:  # an app without the edge (tests)
-        return parsed
-    prefix = parsed.request.request_id.split("-", 1)[0]
-    gen = dataclasses.replace(parsed.request, request_id=f"{prefix}-{rid}")
-    return dataclasses.replace(parsed, request=gen)
 
 
 @web.middleware

@@ -92,6 +92,17 @@ def test_request_ids_access_log_and_logged_requests(keyed: ServerProcess):
     assert 'http_requests_total{handler="/v1/completions",method="POST",status="4xx"}' in metrics
 
 
+def test_responses_and_chat_request_lines_carry_the_client_request_id(keyed: ServerProcess):
+    headers = {"Authorization": "Bearer first-key", "X-Request-Id": "trace-43"}
+    r = httpx.post(keyed.url + "/v1/responses", headers=headers, json={"input": "Hi", "max_output_tokens": 2})
+    assert r.status_code == 200 and r.headers["X-Request-Id"] == "trace-43"
+    received = wait_for_record(keyed, lambda e: e.get("event") == "request received"
+                               and e.get("request_id") == "chatcmpl-trace-43")
+    assert received["prompt"].startswith('[{"role":')  # a chat's messages, as JSON
+    wait_for_record(keyed, lambda e: e.get("event") == "request finished"
+                    and e.get("request_id") == "chatcmpl-trace-43")
+
+
 def test_a_port_in_use_fails_before_the_model_loads(keyed: ServerProcess):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pypto_serving", "--host", "127.0.0.1",
