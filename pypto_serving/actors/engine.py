@@ -247,7 +247,8 @@ class Engine:
         seq_id = next(self._seq_ids)
         stream = RequestStream(request, seq_id, self.tokenizer, self.tokenizer_actor,
                                self.scheduler, self.config.limits, self.grammars)
-        observer = RequestObserver(request.request_id, self.metrics, self.recorder, request.max_tokens,
+        observer = RequestObserver(request.request_id, self.metrics, self.recorder,
+                                   0 if request.score_only else request.max_tokens,  # as the client sent it
                                    score_only=request.score_only)
         if self.config.log_requests:
             observer.log_content(request.prompt, self.config.max_log_len)

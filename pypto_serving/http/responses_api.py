@@ -210,10 +210,14 @@ def _call_output(i: int, item: dict[str, Any]) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages of a Responses `input`; consecutive function calls are one turn."""
+def input_messages(items: str | list[dict[str, Any]], calls: set[str] | None = None) -> list[dict[str, Any]]:
+    """The chat messages of a Responses `input`; consecutive function calls are one turn.
+    `calls` (None: not checked): the call ids of the stored conversation it continues; each
+    function_call_output must answer one of them or an earlier function_call of the input
+    (refused in the input's terms here, not in those of the chat request it becomes)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    known = None if calls is None else set(calls)
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
@@ -225,8 +229,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 last = {"role": "assistant", "content": None, "tool_calls": []}
                 out.append(last)
             last["tool_calls"].append(_function_call(i, item))
+            if known is not None:
+                known.add(item["call_id"])
         elif kind == "function_call_output":
             out.append(_call_output(i, item))
+            if known is not None and item["call_id"] not in known:
+                raise InvalidRequest(f"input[{i}] is a function_call_output whose call_id "
+                                     f"{item['call_id']!r} answers no earlier function_call", "input")
         else:
             raise InvalidRequest(f"input[{i}] is a {kind!r} item: expected message, function_call "
                                  "or function_call_output", "input")
@@ -241,7 +250,8 @@ def _function(tool: FunctionTool) -> dict[str, Any]:
 def chat_body(body: ResponsesBody, history: list[dict[str, Any]]) -> bodies.ChatBody:
     """The chat request that answers `body` after the stored `history`."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else [])
-    messages += history + input_messages(body.input)
+    stored_calls = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+    messages += history + input_messages(body.input, stored_calls)
     fields: dict[str, Any] = {
         "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p,

@@ -96,3 +96,14 @@ async def test_fields_that_ask_for_what_is_not_implemented_are_400s(qwen: Script
             r = await client.post("/v1/responses", json={"input": "Hi", field: value})
             body = await r.json()
             assert r.status == 400 and body["param"] == field and "not supported" in body["message"], field
+
+
+async def test_an_unanswerable_call_output_is_named_in_the_inputs_terms(qwen: ScriptedServer):
+    qwen.say("Hello.")
+    stray = [{"role": "user", "content": "Hi"},
+             {"type": "function_call_output", "call_id": "zzz", "output": "x"}]
+    async with qwen as client:
+        r = await client.post("/v1/responses", json={"input": stray})
+        body = await r.json()
+    assert r.status == 400 and body["param"] == "input"
+    assert "input[1]" in body["message"] and "call_id 'zzz'" in body["message"]
