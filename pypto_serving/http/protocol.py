@@ -78,7 +78,11 @@ class Parsed:
     final_usage: bool = True  # a stream ends with a usage event (`include_usage: false`: not)
     running_usage: bool = False  # every chunk carries usage (`continuous_usage_stats`)
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field is in the response
-    echo_only: bool = False  # `echo` with max_tokens 0: the prompt, scored, and no completion
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with max_tokens 0: the prompt, scored, and no completion."""
+        return self.request.score_only
 
 
 def decode_body(raw: bytes, body_type: type) -> Any:
@@ -185,9 +189,16 @@ def _check_options(body: GenerateFields, defaults: GenerateDefaults) -> dict[str
 
 
 def _refuse_unimplemented(body: GenerateFields) -> None:
-    for field, allowed in unimplemented_defaults(type(body)).items():
+    defaults = unimplemented_defaults(type(body))
+    refuse_unimplemented(body, {f: allowed for f, allowed in defaults.items() if f != "best_of"})
+
+
+def refuse_unimplemented(body: msgspec.Struct, defaults: dict[str, tuple[Any, ...]]) -> None:
+    """A 400 naming the first of `defaults`' fields (known, not implemented) that `body` sets
+    to a value other than the defaults listed for it."""
+    for field, allowed in defaults.items():
         value = getattr(body, field, None)
-        if field != "best_of" and not any(_same(value, a) for a in allowed):
+        if not any(_same(value, a) for a in allowed):
             default = msgspec.json.encode(allowed[-1]).decode()
             raise InvalidRequest(f"'{field}' is not supported by this server; remove it or set "
                                  f"it to {default}", field)
@@ -284,7 +295,7 @@ def parse_completion(body: CompletionBody, defaults: GenerateDefaults) -> Parsed
                                 body, defaults, max_tokens or 1, body.logprobs, ignore_eos=True,
                                 prompt_logprobs=scored)
     return Parsed(dataclasses.replace(request, echo=echo, score_only=max_tokens == 0), **options,
-                  prompt_logprobs=body.prompt_logprobs, echo_only=max_tokens == 0)
+                  prompt_logprobs=body.prompt_logprobs)
 
 
 def _check_prompt_logprobs(body: GenerateFields, stream: bool) -> None:

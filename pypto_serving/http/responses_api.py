@@ -75,22 +75,14 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
 
 
 # Values a known but unimplemented Responses field may take: the defaults, which ask for
-# nothing this server lacks (as chat's and completions' bodies.UNIMPLEMENTED_DEFAULTS)
+# nothing this server lacks (as chat's and completions' bodies.UNIMPLEMENTED_DEFAULTS;
+# protocol.refuse_unimplemented refuses the rest)
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "text": (None, {"format": {"type": "text"}}), "background": (None, False),
     "service_tier": (None, "auto", "default"), "include": (None, []), "top_logprobs": (None, 0),
     "conversation": (None,), "truncation": (None, "disabled"), "reasoning": (None,),
     "max_tool_calls": (None,), "prompt": (None,),
 }
-
-
-def refuse_unimplemented(body: ResponsesBody) -> None:
-    for field, allowed in UNIMPLEMENTED.items():
-        value = getattr(body, field)
-        if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
-            default = msgspec.json.encode(allowed[-1]).decode()
-            raise InvalidRequest(f"'{field}' is not supported by this server; remove it or set it to "
-                                 f"{default}", field)
 
 
 # -- the response ----------------------------------------------------------------------
@@ -434,7 +426,7 @@ class ResponsesEndpoint:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
             body = protocol.decode_body(await request.read(), ResponsesBody)
-            refuse_unimplemented(body)
+            protocol.refuse_unimplemented(body, UNIMPLEMENTED)
             history = self.store.history(body.previous_response_id)
             parsed = protocol.with_request_id(protocol.parse_chat(chat_body(body, history), self.defaults,
                                                                   self.parsers), request.get(REQUEST_ID))

@@ -44,7 +44,7 @@ def prepare(
     sampled = [(i, row) for i, s in enumerate(seqs) if s.sample
                for row in range(starts[i] + q_lens[i] - 1 - s.num_draft, starts[i] + q_lens[i])]
     single = [i for i, n in enumerate(q_lens) if n == 1]
-    input_ids, positions, slot_mapping, sample_rows, tables, *decode = _packed(
+    input_ids, positions, slot_mapping, sample_rows, tables, index, rows, lens = _packed(
         device,
         [t for s in seqs for t in s.token_ids],
         [p for span in spans for p in span],
@@ -56,18 +56,18 @@ def prepare(
         [ctx_lens[i] for i in single],
     )
     tables = tables.view(len(seqs), -1)  # [B, max blocks]
-    group = _decode_group(tables, single, ctx_lens, decode, block_size)
+    group = _decode_group(tables, single, ctx_lens, index, rows, lens, block_size)
     prefills = tuple(
         PrefillSegment(start=starts[i], end=starts[i] + n,
                        ctx_slots=context_slots(tables[i : i + 1], block_size, ctx_lens[i])[0])
         for i, n in enumerate(q_lens) if n > 1
     )
-    paged = _block_tables(tables, decode[0], single, ctx_lens, block_size) if block_tables else None
+    paged = _block_tables(tables, index, single, ctx_lens, block_size) if block_tables else None
     return StepBatch(
         input_ids=input_ids,
         positions=positions,
         attn=AttentionMetadata(slot_mapping, *group, prefills, all_decode=len(single) == len(seqs),
-                               decode_lens=decode[2] if single else None, tables=paged),
+                               decode_lens=lens if single else None, tables=paged),
         sample_rows=sample_rows,
         sample_seq_ids=[seqs[i].seq_id for i, _ in sampled],
     )
@@ -88,15 +88,16 @@ def _decode_group(
     block_tables: torch.Tensor,
     single: list[int],
     ctx_lens: list[int],
-    decode: list[torch.Tensor],
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
     block_size: int,
 ) -> tuple[torch.Tensor | None, ...]:
     """(rows, slots [Bd, L], mask [Bd, 1, 1, L]) of the single-query sequences `single`, or
-    Nones; `decode`: their indices among the step's sequences, flattened rows and context
-    lengths, as tensors."""
+    Nones; `index`, `rows`, `lens`: their indices among the step's sequences, flattened rows
+    and context lengths, as tensors."""
     if not single:
         return None, None, None
-    index, rows, lens = decode
     longest = max(ctx_lens[i] for i in single)
     every = len(single) == len(ctx_lens)  # every row, in order: no gather
     tables = block_tables if every else block_tables[index]
