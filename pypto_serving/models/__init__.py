@@ -10,7 +10,7 @@ from pypto_serving.loader.arch import FAMILIES, ModelArch
 from pypto_serving.models.deepseek_v4 import DeepseekV4ForCausalLM
 from pypto_serving.models.gemma3 import Gemma3ForCausalLM
 from pypto_serving.models.llama import CausalLM, LlamaForCausalLM
-from pypto_serving.models.quant import LayerFactory
+from pypto_serving.models.quant import LayerFactory, PackedRows
 from pypto_serving.models.weights import load_weights
 from pypto_serving.parallel.sharding import SINGLE, TensorParallel
 
@@ -53,6 +53,8 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
         for name, b in list(module.named_buffers(recurse=False)):
             persistent = name not in module._non_persistent_buffers_set
             module.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device), persistent)
+        if isinstance(module, PackedRows):  # packed once loaded, then placed here
+            module.device = device
     return model
 
 

@@ -20,6 +20,7 @@ not depend on its batch).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -79,6 +80,7 @@ class PackedRows(nn.Module):
         self._pack_weight = pack
         self.packed: PackedWeight | None = None
         self._staged: dict[int, torch.Tensor] = {}
+        self.device = torch.device("cpu")  # where the packed tensors go (build_model sets it)
 
     def load_rows(self, start: int, rows: torch.Tensor) -> None:
         if rows.shape[1] != self.k or start + rows.shape[0] > self.n:
@@ -111,6 +113,9 @@ class PackedRows(nn.Module):
         if (packed.n, packed.k) != (self.n, self.k) or packed.bits not in self.allowed_bits:
             raise ValueError(f"a packed [{packed.n}, {packed.k}] int{packed.bits} weight does not fit "
                              f"a [{self.n}, {self.k}] int{'/int'.join(map(str, self.allowed_bits))} one")
+        if packed.q.device != self.device:  # packed on the host (or mapped from the cache)
+            packed = dataclasses.replace(packed, **{name: getattr(packed, name).to(self.device)
+                                                    for name in ("q", "scale", "zero")})
         self.packed, self._staged = packed, {}
         for name in ("q", "scale", "zero"):  # buffers, so weight-size accounting sees them
             self.register_buffer(name, getattr(packed, name), persistent=False)

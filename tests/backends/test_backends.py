@@ -33,7 +33,8 @@ def test_backend_logits_equal_portable(name: str, quantization: str) -> None:
     state = build_hf_model("qwen2_tied").state_dict()
     reference = prefill_logits(model_with(state, "qwen2_tied", PortableBackend("cpu", torch.float32)
                                           .layers(quantization)), IDS)
-    got = prefill_logits(model_with(state, "qwen2_tied", backend.layers(quantization)), IDS)
+    got = prefill_logits(model_with(state, "qwen2_tied", backend.layers(quantization), backend.device), IDS,
+                         backend)
     torch.testing.assert_close(got.cpu(), reference, rtol=1e-4, atol=1e-4)
 
 

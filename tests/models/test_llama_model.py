@@ -28,13 +28,16 @@ def ours(name: str) -> tuple[LlamaForCausalLM, torch.nn.Module]:
     return model, hf
 
 
-def prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prompt run as a single prefill."""
+def prefill_logits(model: LlamaForCausalLM, ids: list[int],
+                   backend: PortableBackend | None = None) -> torch.Tensor:
+    """Logits at every position of one prompt run as a single prefill, on `backend`'s device
+    (the portable backend's CPU by default), where `model` lies."""
+    backend = backend or PortableBackend(CPU, torch.float32)
     blocks = list(range(-(-len(ids) // 4)))
     seq = ScheduledSeq(0, ids, 0, blocks, sample=True)
     state = SeqState(blocks, ids, len(ids), SamplingParams(), None)
-    batch = prepare([seq], [state], 4, CPU)
-    zeros = PortableBackend(CPU, torch.float32).zeros
+    batch = prepare([seq], [state], 4, backend.device, backend.block_tables)
+    zeros = backend.zeros
     caches = allocate_kv_cache(model.arch, len(blocks), 4, torch.float32, zeros)
     with torch.inference_mode():
         hidden = model(batch.input_ids, batch.positions, batch.attn, caches)

@@ -19,9 +19,10 @@ CPU = torch.device("cpu")
 IDS = [(7 * i + 3) % 256 for i in range(11)]
 
 
-def model_with(state: dict[str, torch.Tensor], name: str, layers: LayerFactory) -> torch.nn.Module:
+def model_with(state: dict[str, torch.Tensor], name: str, layers: LayerFactory,
+               device: torch.device = CPU) -> torch.nn.Module:
     arch = arch_from_hf_config(build_hf_model(name).config.to_dict())
-    model = build_model(arch, torch.float32, CPU, layers=layers)
+    model = build_model(arch, torch.float32, device, layers=layers)
     load_weights(model, arch, state.items())
     return model
 
