@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pypto_serving.app.packaged_models import DEFAULT_MODEL
+from pypto_serving.core.version import version
 from pypto_serving.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -142,7 +142,7 @@ def _offline_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pypto-serving", description="OpenAI-compatible LLM inference server.")
     p.add_argument("--version", action="version",
-                   version=f"pypto-serving {importlib.metadata.version('pypto-serving')}")
+                   version=f"pypto-serving {version()}")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF checkpoint directory, .gguf file or packaged model name (smollm2, "
                         "qwen2.5-coder-0.5b, gemma3-270m)")

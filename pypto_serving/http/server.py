@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.metadata
 import time
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from pypto_serving.core.request import (
     TextDelta,
     check_token_ids,
 )
+from pypto_serving.core.version import version
 from pypto_serving.http import bodies, protocol
 from pypto_serving.http import responses as r
 from pypto_serving.http.choices import ChoiceStreams, choice_requests
@@ -121,7 +121,7 @@ class Handlers:
         return json_response(r.Detokenized(await self.engine.tokenizer_actor.decode(body.tokens)))
 
     async def version(self, request: web.Request) -> web.Response:
-        return json_response(r.Version(importlib.metadata.version("pypto-serving")))
+        return json_response(r.Version(version()))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, bodies.CompletionBody, chat=False)
