@@ -123,3 +123,15 @@ def test_the_startup_log_says_whether_decode_steps_replay_graphs_and_how_the_kv_
     assert [e["event"] for e in logs] == [
         "KV cache: 100 blocks of 16 tokens", "KV cache size: 1.50 GiB; budget 0.9 x 80.00 GiB = ...",
         "CUDA graphs: on, decode batches of 1, 2 (padded up to the next)"]
+
+
+def test_an_nvidia_device_is_found_whatever_its_number(tmp_path) -> None:
+    """A container given one GPU of eight may see /dev/nvidia5 alone (and always the control
+    nodes, which are no device)."""
+    from pypto_serving.app.settings import _nvidia_device
+
+    for node in ("nvidiactl", "nvidia-uvm", "nvidia-caps"):
+        (tmp_path / node).touch()
+    assert not _nvidia_device(tmp_path)
+    (tmp_path / "nvidia5").touch()
+    assert _nvidia_device(tmp_path)

@@ -104,12 +104,18 @@ def _torch_has_cuda() -> bool:
     return bool(cuda) and not cuda[0].rstrip().endswith("None")
 
 
+def _nvidia_device(dev: Path = Path("/dev")) -> bool:
+    """An NVIDIA device node, whichever number: a container given one GPU of eight may see
+    /dev/nvidia5 alone."""
+    return any(node.name.removeprefix("nvidia").isdigit() for node in dev.glob("nvidia*"))
+
+
 def pick_backend(requested: str | None) -> str:
     has_npu = importlib.util.find_spec("torch_npu") is not None
     if requested == "npu" and not has_npu:
         raise FlagError("--backend npu needs torch_npu, which is not installed "
                         "(pip install torch-npu)")
-    has_cuda = _torch_has_cuda() and os.path.exists("/dev/nvidia0")
+    has_cuda = _torch_has_cuda() and _nvidia_device()
     if requested == "cuda" and not has_cuda:
         raise FlagError("--backend cuda needs a CUDA build of torch and an NVIDIA device; "
                         "neither was found (use --backend cpu)")

@@ -33,9 +33,18 @@ class DeviceMemory:
     activations: int  # the largest step's peak, measured by running it
     sampler: int  # the sampler's copies of the logits
     graphs: int = 0  # the decode graphs' memory pool and static inputs (`graph_reserve`)
+    elsewhere: int = 0  # what other processes (and the driver) hold on the device at start-up
 
     def budget(self) -> KVBudget:
+        """The KV cache's share; refused where `utilization` x total is more than this process
+        can have beside what others hold (as vLLM refuses), rather than failing an allocation."""
         usable = int(self.utilization * self.total)
+        if usable + self.elsewhere > self.total:
+            raise ValueError(
+                f"--gpu-memory-utilization {self.utilization:g} asks for {gib(usable)} of the device's "
+                f"{gib(self.total)}, but other processes hold {gib(self.elsewhere)} of it; lower "
+                f"--gpu-memory-utilization to {max(0.0, 1 - self.elsewhere / self.total) - 0.005:.2f} or "
+                "less, or free the device")
         kv = usable - self.weights - self.activations - self.sampler - self.graphs
         parts = [("weights", self.weights), ("activations", self.activations), ("sampler", self.sampler)]
         parts += [("decode graphs", self.graphs)] if self.graphs else []

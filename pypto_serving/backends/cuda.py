@@ -78,6 +78,8 @@ class CudaBackend(PortableBackend):
         tokens = largest_step()
         peak = mem.max_memory_allocated(device) - before
         mem.empty_cache()
-        total = mem.mem_get_info(device)[1]
+        free, total = mem.mem_get_info(device)
         reserve = graph_reserve(peak, tokens, graphs.rows, graphs.width)
-        return DeviceMemory(total, utilization, weight_bytes, peak, sampler_bytes, reserve).budget()
+        elsewhere = max(0, total - free - mem.memory_reserved(device))
+        return DeviceMemory(total, utilization, weight_bytes, peak, sampler_bytes, reserve,
+                            elsewhere).budget()

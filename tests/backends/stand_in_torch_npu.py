@@ -162,6 +162,7 @@ class _Memory(types.ModuleType):
     def empty_cache(self) -> None: ...
     def memory_allocated(self, device: object = None) -> int: return 0
     def max_memory_allocated(self, device: object = None) -> int: return 0
+    def memory_reserved(self, device: object = None) -> int: return 0
     def mem_get_info(self, device: object = None) -> tuple[int, int]: return self.total, self.total
 
 

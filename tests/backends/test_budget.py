@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pypto_serving.backends.budget import GIB, DeviceMemory, graph_reserve, host_budget
 
 
@@ -33,3 +35,16 @@ def test_the_graphs_reserve_their_rows_share_of_the_step_and_their_inputs() -> N
 def test_on_the_host_the_budget_is_the_flags() -> None:
     budget = host_budget(GIB)
     assert budget.bytes == GIB and "1.00 GiB" in budget.how and "--kv-cache-memory" in budget.how
+
+
+def test_a_share_that_other_processes_already_hold_is_refused_with_the_flag_to_lower() -> None:
+    """0.9 of 80 GiB while another process holds 20 GiB: vLLM refuses too, rather than letting
+    the KV cache's allocation fail later."""
+    memory = DeviceMemory(total=80 * GIB, utilization=0.9, weights=GIB, activations=0, sampler=0,
+                          elsewhere=20 * GIB)
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization 0.9 asks for 72.00 GiB of the device's "
+                       r"80.00 GiB, but other processes hold 20.00 GiB of it; lower --gpu-memory-utilization "
+                       r"to 0.74 or less"):
+        memory.budget()
+    assert DeviceMemory(total=80 * GIB, utilization=0.7, weights=GIB, activations=0, sampler=0,
+                        elsewhere=20 * GIB).budget().bytes == int(0.7 * 80 * GIB) - GIB

@@ -158,8 +158,11 @@ class FakeAccelerator:
     def empty_cache(self) -> None:
         self.calls.append("empty_cache")
 
+    def memory_reserved(self, device: torch.device) -> int:
+        return 2_000
+
     def mem_get_info(self, device: torch.device) -> tuple[int, int]:
-        return 123, 10_000_000
+        return 10_000_000 - 2_000, 10_000_000
 
 
 def test_accelerator_budget_leaves_room_for_weights_and_activations(checkpoint, monkeypatch) -> None:
