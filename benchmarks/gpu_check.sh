@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA backend's device check (benchmarks/gpu_check.py), one command for a machine with an
 # NVIDIA GPU and no internet (the device tool's H200: python3 with torch 2.11 + CUDA, Triton,
-# transformers, aiohttp, tokenizers there). Meant to take well under 8 minutes there (not yet
-# run: no device has been lent to this work); the decode steps are measured twice, replaying
-# the decode graphs and with --enforce-eager, so the two can be compared on the same device.
+# transformers, aiohttp, tokenizers there). About 3.5 minutes on the H200 (2026-12-04; the
+# numbers are in docs/performance.md); the decode steps are measured twice, replaying the decode
+# graphs and with --enforce-eager, so the two can be compared on the same device. The backend
+# tests that need a GPU run there too: TRITON_INTERPRET=0 python3 -m pytest tests/backends -k cuda
 #   here, once:  bash benchmarks/gpu_parallel_check.sh --download   (the same wheels, into .whl/)
 #   there:       bash benchmarks/gpu_check.sh                       (carry .whl)
 set -euo pipefail
