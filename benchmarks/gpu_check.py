@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -166,8 +165,10 @@ def word_tokenizer(path: Path, vocab: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{vocab - 1}"}))
 
 
-def serving(path: Path, backend: str, streams: int, input_len: int, output_len: int, vocab: int) -> None:
-    extra = ["--backend", backend, "--max-num-seqs", str(streams),
+def serving(path: Path, backend: str, loads: list[int], input_len: int, output_len: int, vocab: int) -> None:
+    """One server (`--max-num-seqs` the largest load), then each load in turn: `c` concurrent
+    streams of `c` requests from 64 up, else of `2c + 2` (c1: 4, c16: 34)."""
+    extra = ["--backend", backend, "--max-num-seqs", str(max(loads)),
              "--max-model-len", str(input_len + output_len + 16)]  # the later flags win
     if backend != "cuda":
         extra += ["--kv-cache-memory", "256MiB"]
@@ -178,16 +179,18 @@ def serving(path: Path, backend: str, streams: int, input_len: int, output_len: 
         emit(measure="serving", failed=str(failed), log_tail=log.read_text()[-4000:] if log.is_file() else "")
         return
     try:
-        cfg = BenchConfig(base_url=server.url, input_len=input_len, output_len=output_len,
-                          num_prompts=streams, concurrency=streams, temperature=0.0, ignore_eos=True,
-                          warmup=2, vocab_low=10, vocab_high=min(5000, vocab))
-        result = asyncio.run(run_benchmark(replace(cfg, server_pid=server.pid)))
+        for streams in loads:
+            cfg = BenchConfig(base_url=server.url, input_len=input_len, output_len=output_len,
+                              num_prompts=streams if streams >= 64 else 2 * streams + 2,
+                              concurrency=streams, temperature=0.0, ignore_eos=True, warmup=2,
+                              vocab_low=10, vocab_high=min(5000, vocab), server_pid=server.pid)
+            result = asyncio.run(run_benchmark(cfg))
+            emit(measure=f"serving {streams} streams {input_len}/{output_len}", failed=result.failed,
+                 first_error=result.first_error, output_tok_s=round(result.output_throughput),
+                 ttft_p50_ms=round(result.ttft_ms.p50), ttft_p99_ms=round(result.ttft_ms.p99),
+                 tpot_p50_ms=round(result.tpot_ms.p50, 2))
     finally:
         server.stop()
-    emit(measure=f"serving {streams} streams {input_len}/{output_len}", failed=result.failed,
-         first_error=result.first_error,
-         output_tok_s=round(result.output_throughput), ttft_p50_ms=round(result.ttft_ms.p50),
-         ttft_p99_ms=round(result.ttft_ms.p99), tpot_p50_ms=round(result.tpot_ms.p50, 2))
 
 
 def main() -> int:
@@ -195,6 +198,8 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true", help="the CPU, small shapes, the portable backend")
     p.add_argument("--parts", default="correctness,speed,serving",
                    help="which of (a), (b), (c) to run, comma-separated (default: all)")
+    p.add_argument("--loads", default="256", help="the serving loads' concurrencies, comma-separated "
+                   "(default 256; 1,16,256 adds the latency ones)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     dry = args.dry_run
@@ -215,9 +220,9 @@ def main() -> int:
         if "speed" in parts:
             batches = [1, 4] if dry else [1, 16, 64, 256]
             speed(model, backend, device, batches, 256 if dry else 2048, 2 * params)
-        streams, prompt, new = (4, 32, 16) if dry else (256, 128, 256)
+        loads = [1, 4] if dry else [int(c) for c in args.loads.split(",")]
         if "serving" in parts:
-            serving(model, backend, streams, prompt, new, shape["vocab_size"])
+            serving(model, backend, loads, *((32, 16) if dry else (128, 256)), shape["vocab_size"])
     return 0 if ok else 1
 
 
