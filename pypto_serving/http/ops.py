@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import orjson
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -16,12 +17,14 @@ from pypto_serving.actors.replicas import ReplicaSet
 from pypto_serving.http.render import error_body
 from pypto_serving.telemetry.http_metrics import HttpMetrics
 from pypto_serving.telemetry.metrics import render_families
-from pypto_serving.telemetry.profiling import ProfileError, Profiler, clock_us
+from pypto_serving.telemetry.profiling import ProfileError, Profiler, TraceNotWritten, clock_us
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # still answered while draining: scrapers and the profile may outlive the last request
 DRAIN_RETRY_AFTER_S = 5  # a draining server is about to go: another instance may answer
 _OPS_PATHS = frozenset({"/metrics", "/metrics/json", "/start_profile", "/stop_profile"})
+
+log = structlog.get_logger()
 
 
 def _json(body: object, status: int = 200) -> web.Response:
@@ -72,6 +75,9 @@ class Ops:
             written = await self.profiler.stop()
         except ProfileError as exc:
             return _json(error_body(str(exc)), 400)
+        except TraceNotWritten as exc:
+            log.error("profile not written", error=str(exc))
+            return _json(error_body(str(exc), kind="server_error", code=500), 500)
         return _json({"status": "stopped", **written})
 
     async def stop_recording(self) -> None:

@@ -44,6 +44,10 @@ class ProfileError(RuntimeError):
     """Start while recording or stop while idle: a 400 whose message says what to do."""
 
 
+class TraceNotWritten(RuntimeError):
+    """The recording stopped but its trace could not be written (a full or vanished disk)."""
+
+
 class SpanRecorder:
     """Complete ("X") and instant ("i") trace events of one process; free when not recording."""
 
@@ -197,6 +201,9 @@ class Profiler:
         self.state = "writing"
         try:
             return await self._write()
+        except OSError as exc:
+            raise TraceNotWritten(f"the recording stopped, but its trace could not be written under "
+                                  f"{self.output}: {exc}") from exc
         finally:
             self.state = "idle"
 

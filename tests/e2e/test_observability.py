@@ -213,6 +213,25 @@ def test_profile_round_trip(ops_server: ServerProcess):
     api_names = {e["name"] for e in spans if e["pid"] == api}
     assert {"POST /v1/completions", "queue", "schedule", "step"} <= api_names
     assert "forward" in {e["name"] for e in spans if e["pid"] == worker}
+
+
+def test_a_trace_that_cannot_be_written_is_a_json_500_and_profiling_goes_on(ops_server: ServerProcess):
+    """The output was writable at start-up; a trace.json that has become a folder (or a full
+    disk) fails the merge: /stop_profile says so as an OpenAI-style error, and the next
+    recording works once the path is free."""
+    url, trace = ops_server.url, ops_server.profile_dir / "trace.json"
+    trace.unlink(missing_ok=True)
+    trace.mkdir()
+    try:
+        assert httpx.post(url + "/start_profile").status_code == 200
+        r = httpx.post(url + "/stop_profile", timeout=600)
+        assert r.status_code == 500
+        error = r.json()
+        assert error["type"] == "server_error" and "could not be written" in error["message"], error
+    finally:
+        trace.rmdir()
+    assert httpx.post(url + "/start_profile").status_code == 200
+    assert httpx.post(url + "/stop_profile", timeout=600).status_code == 200
     assert any(e.get("cat") == "cpu_op" and e["pid"] == worker for e in spans)  # kernel level
     assert httpx.post(url + "/start_profile").status_code == 200  # again: repeated sessions
     assert httpx.post(url + "/stop_profile", timeout=600).status_code == 200

@@ -13,6 +13,7 @@ from pypto_serving.telemetry.profiling import (
     ProfileError,
     Profiler,
     SpanRecorder,
+    TraceNotWritten,
     clock_us,
     merge_fragments,
     write_fragment,
@@ -103,3 +104,20 @@ async def test_profiler_state_machine_and_round_trip(tmp_path: Path):
     profiler.start()  # repeated sessions are safe and get their own fragments
     await profiler.stop()
     assert worker.started[1][1].endswith("fragments/002-")
+
+
+async def test_a_trace_that_cannot_be_written_is_a_server_error_and_the_profiler_recovers(tmp_path: Path):
+    """The output checked at start-up can vanish or fill up later: stopping then says so (the
+    ops endpoint answers 500 with it) and leaves the profiler able to record again."""
+    worker = FakeWorker(tmp_path)
+    profiler = Profiler(ProfileConfig(str(tmp_path / "out"), ("e2e",)), SpanRecorder("api-server"),
+                        lambda: [worker])
+    profiler.start()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "fragments").write_text("a file where the fragments' folder goes")
+    with pytest.raises(TraceNotWritten, match="trace could not be written under .*out"):
+        await profiler.stop()
+    assert profiler.state == "idle"
+    (tmp_path / "out" / "fragments").unlink()
+    profiler.start()
+    assert Path((await profiler.stop())["trace"]).is_file()
