@@ -213,6 +213,9 @@ def test_profile_round_trip(ops_server: ServerProcess):
     api_names = {e["name"] for e in spans if e["pid"] == api}
     assert {"POST /v1/completions", "queue", "schedule", "step"} <= api_names
     assert "forward" in {e["name"] for e in spans if e["pid"] == worker}
+    assert any(e.get("cat") == "cpu_op" and e["pid"] == worker for e in spans)  # kernel level
+    assert httpx.post(url + "/start_profile").status_code == 200  # again: repeated sessions
+    assert httpx.post(url + "/stop_profile", timeout=600).status_code == 200
 
 
 def test_a_trace_that_cannot_be_written_is_a_json_500_and_profiling_goes_on(ops_server: ServerProcess):
@@ -231,9 +234,6 @@ def test_a_trace_that_cannot_be_written_is_a_json_500_and_profiling_goes_on(ops_
     finally:
         trace.rmdir()
     assert httpx.post(url + "/start_profile").status_code == 200
-    assert httpx.post(url + "/stop_profile", timeout=600).status_code == 200
-    assert any(e.get("cat") == "cpu_op" and e["pid"] == worker for e in spans)  # kernel level
-    assert httpx.post(url + "/start_profile").status_code == 200  # again: repeated sessions
     assert httpx.post(url + "/stop_profile", timeout=600).status_code == 200
 
 
