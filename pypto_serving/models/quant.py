@@ -20,7 +20,6 @@ not depend on its batch).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -114,8 +113,8 @@ class PackedRows(nn.Module):
             raise ValueError(f"a packed [{packed.n}, {packed.k}] int{packed.bits} weight does not fit "
                              f"a [{self.n}, {self.k}] int{'/int'.join(map(str, self.allowed_bits))} one")
         if packed.q.device != self.device:  # packed on the host (or mapped from the cache)
-            packed = dataclasses.replace(packed, **{name: getattr(packed, name).to(self.device)
-                                                    for name in ("q", "scale", "zero")})
+            packed = replace(packed, **{name: getattr(packed, name).to(self.device)
+                                       for name in ("q", "scale", "zero")})
         self.packed, self._staged = packed, {}
         for name in ("q", "scale", "zero"):  # buffers, so weight-size accounting sees them
             self.register_buffer(name, getattr(packed, name), persistent=False)
