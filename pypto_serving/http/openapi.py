@@ -28,7 +28,7 @@ from pypto_serving.http.responses_api import Response, ResponsesBody
 _REF = "#/components/schemas/{name}"
 _TYPES = (CompletionBody, ChatBody, r.CompletionResponse, r.ChatResponse, r.ChatChunk,
           r.ErrorResponse, r.ModelList, r.Health, TokenizeBody, r.Tokenized, DetokenizeBody,
-          r.Detokenized, r.Version, ResponsesBody, Response)
+          r.Detokenized, r.Version, ResponsesBody, Response, r.ModelCard)
 
 
 def _json(ref: dict[str, Any], description: str) -> dict[str, Any]:
@@ -143,7 +143,7 @@ def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
     components = _integers(components)
     _unstated_rules(components)
     completion, chat, completion_out, chat_out, _, error, models, health = refs[:8]
-    tokenize, tokenized, detokenize, detokenized, version, responses, response = refs[8:]
+    tokenize, tokenized, detokenize, detokenized, version, responses, response, card = refs[8:]
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": "1"},
@@ -153,6 +153,11 @@ def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
             "/v1/responses": _generation("Response (OpenAI Responses API)", responses, response, error),
             "/v1/models": {"get": {"summary": "The served model",
                                    "responses": {"200": _json(models, "one model")}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One model's card (OpenAI's retrieve)",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": _STRING}],
+                "responses": {"200": _json(card, "the served model"),
+                              "404": _json(error, "no model of that id is served")}}},
             "/health": {"get": {"summary": "Liveness", "responses": {
                 "200": _json(health, "the engine runs (with --dp: a replica serves)"),
                 "503": _json(health, "the engine has stopped (with --dp: every replica)")}}},

@@ -67,6 +67,7 @@ class Handlers:
         return [
             web.get("/health", self.health),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),  # ids may hold "/" (org/name)
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/responses", self.responses.handle),
@@ -86,11 +87,21 @@ class Handlers:
         return json_response(body, 200 if reason is None else 503)
 
     async def models(self, request: web.Request) -> web.Response:
+        return json_response(r.ModelList("list", [self._card()]))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's retrieve (`client.models.retrieve(id)`): the served model's card, else 404."""
+        name = request.match_info["model"]
+        if name != self.served_name:
+            message = f"The model '{name}' does not exist: this server serves '{self.served_name}'"
+            return json_response(error_body(message, "model", kind="not_found", code=404), 404)
+        return json_response(self._card())
+
+    def _card(self) -> r.ModelCard:
         permission = r.ModelPermission(f"modelperm-{self.served_name}", "model_permission", self.created)
-        card = r.ModelCard(self.served_name, "model", self.created, "pypto-serving",
+        return r.ModelCard(self.served_name, "model", self.created, "pypto-serving",
                            self.engine.config.worker.model.path, None,
                            self.engine.config.limits.max_model_len, [permission])
-        return json_response(r.ModelList("list", [card]))
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=openapi_json(), content_type="application/json")

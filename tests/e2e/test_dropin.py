@@ -78,6 +78,20 @@ def test_models_carry_vllms_fields(http: httpx.Client):
     assert card["permission"][0]["object"] == "model_permission"
 
 
+def test_the_openai_sdk_retrieves_the_served_model_and_only_it(server: ServerProcess, http: httpx.Client):
+    """`client.models.retrieve(id)` (GET /v1/models/{id}): the card /v1/models lists, by an id
+    that may hold a slash; another id is a 404 naming the served one."""
+    listed = http.get("/v1/models").json()["data"][0]
+    model = openai_client(server).models.retrieve(listed["id"])
+    assert (model.id, model.object, model.owned_by) == (listed["id"], "model", "pypto-serving")
+    assert http.get(f"/v1/models/{listed['id']}").json() == listed
+    with pytest.raises(openai.NotFoundError):
+        openai_client(server).models.retrieve("org/other-model")
+    missing = http.get("/v1/models/org/other-model")
+    assert missing.status_code == 404 and listed["id"] in missing.json()["message"]
+    assert missing.json()["param"] == "model"
+
+
 def test_tokenize_and_detokenize_round_trip(http: httpx.Client):
     r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 512

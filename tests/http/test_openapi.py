@@ -18,7 +18,8 @@ def test_document_describes_every_endpoint_and_schema():
     doc = openapi_document()
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                 "/tokenize", "/detokenize", "/version", "/v1/responses"}
+                                 "/tokenize", "/detokenize", "/version", "/v1/responses",
+                                 "/v1/models/{model}"}
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     assert chat["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatBody"}
