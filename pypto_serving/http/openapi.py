@@ -138,7 +138,9 @@ def _branch(schema: dict[str, Any], kind: str) -> dict[str, Any]:
     return next(b for b in schema.get("anyOf", [schema]) if b.get("type") == kind)
 
 
-def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
+def openapi_document(title: str = "pypto-serving", served_name: str | None = None) -> dict[str, Any]:
+    """`served_name`: the one id `/v1/models/{model}` answers (the live server's document names
+    it, so a request the schema allows is never a 404)."""
     refs, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     components = _integers(components)
     _unstated_rules(components)
@@ -155,7 +157,8 @@ def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
                                    "responses": {"200": _json(models, "one model")}}},
             "/v1/models/{model}": {"get": {
                 "summary": "One model's card (OpenAI's retrieve)",
-                "parameters": [{"name": "model", "in": "path", "required": True, "schema": _STRING}],
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": _STRING if served_name is None else {"enum": [served_name]}}],
                 "responses": {"200": _json(card, "the served model"),
                               "404": _json(error, "no model of that id is served")}}},
             "/health": {"get": {"summary": "Liveness", "responses": {
@@ -171,5 +174,5 @@ def openapi_document(title: str = "pypto-serving") -> dict[str, Any]:
 
 
 @functools.cache
-def openapi_json() -> bytes:
-    return msgspec.json.encode(openapi_document())
+def openapi_json(served_name: str | None = None) -> bytes:
+    return msgspec.json.encode(openapi_document(served_name=served_name))

@@ -104,7 +104,7 @@ class Handlers:
                            self.engine.config.limits.max_model_len, [permission])
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.Response(body=openapi_json(), content_type="application/json")
+        return web.Response(body=openapi_json(self.served_name), content_type="application/json")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template."""

@@ -99,3 +99,12 @@ def test_an_event_stream_is_described_event_by_event():
     ok = openapi_document()["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]
     event = ok["content"]["text/event-stream"]["schema"]
     assert event["type"] == "object" and event["properties"]["data"]["type"] == "string"
+
+
+def test_the_served_document_names_the_one_model_id_it_answers():
+    """A live server's /openapi.json allows only its own id in /v1/models/{model}: a request
+    the schema allows is never the 404 another id gets."""
+    param = openapi_document(served_name="org/m")["paths"]["/v1/models/{model}"]["get"]["parameters"][0]
+    assert (param["name"], param["in"], param["schema"]) == ("model", "path", {"enum": ["org/m"]})
+    assert openapi_document()["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["schema"] == {
+        "type": "string"}
