@@ -42,11 +42,15 @@ SMALL = 2  # generated requests must stay cheap: a few tokens each (~0.1 s a tok
 # Rules no schema can state, so bounded() keeps generated bodies clear of them; what is left
 # is still schema-valid. The served SmolLM2 has no tool-call parser (tools are a 400), a tool
 # result must answer an earlier call, call arguments must hold a JSON object, a json_schema
-# must be a usable schema, a previous response must have been stored, and token ids must be
-# in the model's vocabulary.
+# must be a usable schema, a previous response must have been stored, token ids must be in
+# the model's vocabulary, and the prompt must fit --max-model-len in tokens (TEXT_CHARS).
 UNSTATED = ("tools", "tool_choice", "response_format", "previous_response_id")
 CALL_ITEMS = ("function_call", "function_call_output")
 IDS_IN_ANY_VOCAB = 256
+# The prompt's text in all, and its messages or input items: at up to four tokens a character
+# (byte fallback) and a few of the template's per message, well inside a 512-token context.
+TEXT_CHARS, TEXT_ITEMS = 96, 8
+TEXT_FIELDS = frozenset({"prompt", "messages", "input", "instructions", "content", "text", "name"})
 
 
 def bounded(body: object) -> object:
@@ -78,7 +82,22 @@ def bounded(body: object) -> object:
     for name in ("prompt", "tokens", "stop_token_ids"):
         if isinstance(body.get(name), list):
             body[name] = [i % IDS_IN_ANY_VOCAB if _number(i) else i for i in body[name]]
-    return body
+    budget = [TEXT_CHARS]
+    return {k: _short(v, budget) if k in TEXT_FIELDS else v for k, v in body.items()}
+
+
+def _short(value: object, budget: list[int]) -> object:
+    """`value`'s text cut to what is left of `budget` (shared, in characters) and its lists to
+    TEXT_ITEMS entries; roles, types and other enumerated strings are left whole."""
+    if isinstance(value, str):
+        kept = value[: budget[0]]
+        budget[0] -= len(kept)
+        return kept
+    if isinstance(value, list):
+        return [_short(v, budget) for v in value[:TEXT_ITEMS]] or value
+    if isinstance(value, dict):
+        return {k: _short(v, budget) if k in TEXT_FIELDS else v for k, v in value.items()}
+    return value
 
 
 def _number(value: object) -> bool:

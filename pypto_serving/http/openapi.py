@@ -23,7 +23,7 @@ from pypto_serving.http.bodies import (
     TokenizeBody,
     unimplemented_defaults,
 )
-from pypto_serving.http.responses_api import Response, ResponsesBody
+from pypto_serving.http.responses_api import UNIMPLEMENTED, Response, ResponsesBody
 
 _REF = "#/components/schemas/{name}"
 _TYPES = (CompletionBody, ChatBody, r.CompletionResponse, r.ChatResponse, r.ChatChunk,
@@ -129,8 +129,12 @@ def _unstated_rules(schemas: dict[str, Any]) -> None:
 
 
 def _responses_rules(fields: dict[str, Any], chat: dict[str, Any]) -> None:
-    """A Responses body becomes a chat body: its fields take the chat fields' ranges."""
+    """A Responses body becomes a chat body: its fields take the chat fields' ranges; the
+    fields it knows but lacks take only their defaults (responses_api.UNIMPLEMENTED)."""
     fields["temperature"], fields["top_p"] = chat["temperature"], chat["top_p"]
+    for field, allowed in UNIMPLEMENTED.items():
+        fields[field] = {"enum": list(allowed), "default": None,
+                         "description": "not implemented: only its default is accepted"}
     _branch(fields["input"], "array").update(items=_INPUT_ITEM, minItems=1)
 
 
