@@ -172,10 +172,11 @@ def serving(path: Path, backend: str, loads: list[int], input_len: int, output_l
              "--max-model-len", str(input_len + output_len + 16)]  # the later flags win
     if backend != "cuda":
         extra += ["--kv-cache-memory", "256MiB"]
+    server = Server("gpu-check", ours_command(str(path), extra), startup_timeout=600)
     try:
-        server = Server("gpu-check", ours_command(str(path), extra), startup_timeout=600).start()
+        server.start()
     except SystemExit as failed:  # the server's own log says why; it lives on the device only
-        log = Path(str(failed).rsplit(" ", 1)[-1])
+        log = server.log_path
         emit(measure="serving", failed=str(failed), log_tail=log.read_text()[-4000:] if log.is_file() else "")
         return
     try:

@@ -108,10 +108,7 @@ def _unstated_rules(schemas: dict[str, Any]) -> None:
     leave to msgspec's."""
     for body in (CompletionBody, ChatBody):
         fields = schemas[body.__name__]["properties"]
-        for field, allowed in unimplemented_defaults(body).items():
-            if field in fields and field != "best_of":
-                fields[field] = {"enum": list(allowed), "default": None,
-                                 "description": "not implemented: only its default is accepted"}
+        _defaults_only(fields, {f: a for f, a in unimplemented_defaults(body).items() if f != "best_of"})
         fields["best_of"]["description"] = "must equal n: extra candidates are not supported"
     prompt = _branch(schemas["CompletionBody"]["properties"]["prompt"], "array")
     prompt["items"] = {"type": "integer", "minimum": 0}  # token ids, not a batch of prompts
@@ -132,10 +129,17 @@ def _responses_rules(fields: dict[str, Any], chat: dict[str, Any]) -> None:
     """A Responses body becomes a chat body: its fields take the chat fields' ranges; the
     fields it knows but lacks take only their defaults (responses_api.UNIMPLEMENTED)."""
     fields["temperature"], fields["top_p"] = chat["temperature"], chat["top_p"]
-    for field, allowed in UNIMPLEMENTED.items():
-        fields[field] = {"enum": list(allowed), "default": None,
-                         "description": "not implemented: only its default is accepted"}
+    _defaults_only(fields, UNIMPLEMENTED)
     _branch(fields["input"], "array").update(items=_INPUT_ITEM, minItems=1)
+
+
+def _defaults_only(fields: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> None:
+    """Fields known but not implemented (`protocol.refuse_unimplemented` refuses the rest)
+    take only the values listed for them."""
+    for field, values in allowed.items():
+        if field in fields:
+            fields[field] = {"enum": list(values), "default": None,
+                             "description": "not implemented: only its default is accepted"}
 
 
 def _branch(schema: dict[str, Any], kind: str) -> dict[str, Any]:
