@@ -15,9 +15,10 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(frozen=True, slots=True)
-class Demand:
+
+class Demand(msgspec.Struct, frozen=True):
     """What one sequence asks of a step, in priority order within one `allocate` call.
 
     Running sequences (`prompt_ids` None) need room for `num_tokens` tokens in total and
@@ -36,14 +37,12 @@ class Demand:
     use_cache: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
+class Grant(msgspec.Struct, frozen=True):
     seq_id: int
     num_cached: int  # tokens served from the prefix cache (new sequences only)
 
 
-@dataclass(frozen=True, slots=True)
-class Allocation:
+class Allocation(msgspec.Struct, frozen=True):
     grants: tuple[Grant, ...]
     preempted: tuple[int, ...]  # running sequences whose blocks were taken back
     denied: tuple[int, ...]  # new sequences that did not fit this step
@@ -121,7 +120,7 @@ class BlockAllocator:
         running = [d.seq_id for d in demands if d.prompt_ids is None]
         admitting = True
         for demand in demands:
-            if demand.seq_id in preempted:
+            if preempted and demand.seq_id in preempted:
                 continue
             if demand.prompt_ids is None:
                 grant = self._grow(demand, running, preempted)
@@ -146,7 +145,8 @@ class BlockAllocator:
             self.free(victim)
             if victim == demand.seq_id:
                 return None
-        owner.block_ids.extend(self._take() for _ in range(need))
+        if need > 0:
+            owner.block_ids.extend([self._take() for _ in range(need)])
         return Grant(demand.seq_id, 0)
 
     def _pick_victim(self, running: list[int], preempted: list[int]) -> int:
@@ -191,6 +191,8 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return
         full = min(num_computed // self.block_size, len(owner.prompt_hashes))
+        if full <= owner.num_registered:
+            return
         for i in range(owner.num_registered, full):
             block_hash, block = owner.prompt_hashes[i], owner.block_ids[i]
             if block_hash not in self._block_of and block not in self._hash_of:

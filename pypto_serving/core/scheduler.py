@@ -61,8 +61,7 @@ class SpecDecodeStats:
             self.accepted_per_pos[i] += 1
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
+class TokenEvent(msgspec.Struct, frozen=True):
     """A token sampled for a sequence; `finish_reason` set when it was the last one."""
 
     seq: Sequence
@@ -71,6 +70,7 @@ class TokenEvent:
     logprob: float = 0.0
     top_logprobs: tuple = ()
     prompt_logprobs: tuple = ()  # with a sequence's first token: its prompt's scores, when asked
+    index: int = 0  # the token's place among the sequence's output tokens, from 0
 
 
 class Scheduler:
@@ -188,11 +188,13 @@ class Scheduler:
         demands = []
         self._drafts = {}
         speculating = self._speculating()
+        max_model_len = self.config.max_model_len
         for seq in self.running:
-            if seq.at_limit(self.config.max_model_len):
+            if seq.inflight and seq.at_limit(max_model_len):
                 continue  # the token a step in flight samples is its last
-            n = min(seq.num_pending, budget, self._chunk_cap(seq))
-            if speculating and n == seq.num_pending == 1 and seq.ngrams is not None:
+            pending = seq.num_pending
+            n = min(pending, budget, self._chunk_cap(seq) if pending > 1 else pending)
+            if speculating and n == pending == 1 and seq.ngrams is not None:
                 draft = seq.ngrams.propose(self._draft_room(seq, budget))
                 if draft:
                     self._drafts[seq.seq_id] = draft
@@ -259,7 +261,8 @@ class Scheduler:
             n = demand.num_tokens - seq.num_computed
         if n <= 0:
             return None
-        self.num_prefill_tokens += max(0, min(seq.num_computed + n, seq.num_prompt_tokens) - seq.num_computed)
+        if seq.num_computed < seq.num_prompt_tokens:
+            self.num_prefill_tokens += min(seq.num_computed + n, seq.num_prompt_tokens) - seq.num_computed
         chunk = self._chunk(seq, n)
         # Counted as computed now: the worker runs plans in order, so every later plan finds
         # this KV written (proposals count once the worker has kept them).
@@ -272,14 +275,18 @@ class Scheduler:
     def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
         start, table = seq.num_computed, self.allocator.block_table(seq.seq_id)
         sent, reset = seq.sent(len(table))
-        draft = self._drafts.get(seq.seq_id, [])
+        draft = self._drafts.get(seq.seq_id, []) if self._drafts else []
         known = n - len(draft)
+        token_ids = seq.token_slice(start, start + known)
+        sample = start + known == seq.num_tokens + seq.inflight
+        if not reset and not draft:  # the usual decode chunk
+            return ScheduledSeq(seq.seq_id, token_ids, start, table[sent:], sample)
         return ScheduledSeq(
             seq_id=seq.seq_id,
-            token_ids=seq.token_slice(start, start + known) + draft,
+            token_ids=token_ids + draft,
             start_pos=start,
             new_block_ids=table[sent:],
-            sample=start + known == seq.num_tokens + seq.inflight,
+            sample=sample,
             reset=reset,
             prefix_ids=seq.token_slice(0, start) if reset else [],
             num_prompt_tokens=seq.num_prompt_tokens if reset else 0,
@@ -331,8 +338,10 @@ class Scheduler:
             self._end(seq, reason)
         logprob = result.logprobs[i] if result.logprobs else 0.0
         top = tuple(result.top_logprobs[i]) if result.top_logprobs else ()
-        prompt, seq.prompt_scores = tuple(seq.prompt_scores), []
-        return TokenEvent(seq, token, reason, logprob, top, prompt)
+        prompt = ()
+        if seq.prompt_scores:
+            prompt, seq.prompt_scores = tuple(seq.prompt_scores), []
+        return TokenEvent(seq, token, reason, logprob, top, prompt, seq.num_output_tokens - 1)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)

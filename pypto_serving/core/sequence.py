@@ -74,6 +74,10 @@ class Sequence:
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens start .. end - 1; PLACEHOLDER where a step in flight will sample one."""
         prompt_len = len(self.prompt_ids)
+        if start >= prompt_len:  # outputs only (a decode step)
+            num_tokens = prompt_len + len(self.output_ids)
+            tail = self.output_ids[start - prompt_len:end - prompt_len]
+            return tail + [PLACEHOLDER] * (end - max(start, num_tokens)) if end > num_tokens else tail
         head = list(self.prompt_ids[start:min(end, prompt_len)])
         tail = self.output_ids[max(start - prompt_len, 0):max(end - prompt_len, 0)]
         return head + tail + [PLACEHOLDER] * (end - max(start, self.num_tokens))
@@ -131,8 +135,9 @@ class Sequence:
 
     def stop_reason(self, max_model_len: int) -> str | None:
         """Why the sequence ends after its newest token, or None to go on."""
-        if self.output_ids and self.output_ids[-1] in self.stop_token_ids:
+        outputs = self.output_ids
+        if outputs and outputs[-1] in self.stop_token_ids:
             return "eos"  # http/ reports it as "stop"; offline mode prints "eos"
-        if self._at_length(0, max_model_len):
-            return "length"
+        if len(outputs) >= self.max_tokens or len(self.prompt_ids) + len(outputs) >= max_model_len:
+            return "length"  # as _at_length(0, max_model_len)
         return None
