@@ -12,10 +12,19 @@ its request told, exactly once; after `AbortAll` or engine death every new submi
 at once; a step's tokens reach the request streams after the next step has gone to the
 device worker (their detokenizing and HTTP writes then overlap the device's work instead of
 delaying it), and always before anything else is told about the same sequences.
+
+Delivery under load: request streams are told at most `DELIVERY_SLICE` at a time per turn of
+the event loop, the rest on the next turns, so a result the device sends meanwhile is planned
+from without waiting for every stream's detokenizing and HTTP write. A sequence whose tokens
+are still waiting when its next ones come gets them in one message (as vLLM merges outputs a
+client has not taken yet): when the API process is the bottleneck (many streams on a fast
+device) each stream is woken once for several tokens, and the device keeps stepping.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -29,6 +38,9 @@ from pypto_serving.messages.worker import StepPlan, StepResult
 from pypto_serving.telemetry.metrics import EngineMetrics
 from pypto_serving.telemetry.observe import SequencePhases
 from pypto_serving.telemetry.profiling import SpanRecorder, clock_us
+
+# Request streams told per turn of the event loop (see the module's docstring).
+DELIVERY_SLICE = 16
 
 
 class StepRunner(Protocol):
@@ -49,6 +61,10 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self.on_death = on_death or self.die
         self._reply_to: dict[int, Mailbox] = {}
         self._undelivered: list[TokenEvent] = []  # the last step's tokens, until the next is sent
+        # seq_id -> (whom to tell, its tokens not yet told, the first one's output index), in
+        # the order they became due
+        self._untold: OrderedDict[int, tuple[Mailbox, Tokens, int]] = OrderedDict()
+        self._telling = False  # a turn of _tell_slice is scheduled
         self._queued: dict[int, tuple[float, int | None]] = {}  # seq_id -> (submitted us, lane)
         self._sent_at: dict[int, float] = {}  # step id -> when it was sent (us)
         self._phases = SequencePhases(self.metrics)
@@ -150,11 +166,44 @@ class SchedulerActor(Actor[SchedulerInbox]):
             self._observe(event, now)
             reply_to = self._reply_to.pop(seq_id, None) if ended else self._reply_to.get(seq_id)
             if reply_to is not None:
-                reply_to.tell(Tokens(
-                    event.seq.seq_id, (event.token_id,), event.finish_reason,
-                    logprobs=(event.logprob,), top_logprobs=(event.top_logprobs,),
-                    prompt_logprobs=event.prompt_logprobs,
-                    num_cached_tokens=event.seq.num_cached_tokens or 0))
+                self._due(event, reply_to)
+        if not self._telling:
+            self._tell_slice()
+
+    def _due(self, event: TokenEvent, reply_to: Mailbox) -> None:
+        """Queues a token for its stream, in one message with its tokens not yet told where
+        that keeps min_tokens' rule: no stop string is searched for in the text of a reply's
+        first min_tokens tokens, so those go one to a message."""
+        seq = event.seq
+        msg = Tokens(seq.seq_id, (event.token_id,), event.finish_reason, logprobs=(event.logprob,),
+                     top_logprobs=(event.top_logprobs,), prompt_logprobs=event.prompt_logprobs,
+                     num_cached_tokens=seq.num_cached_tokens or 0)
+        untold = self._untold.get(seq.seq_id)
+        if untold is not None:
+            _, earlier, first = untold
+            if first >= seq.sampling.min_tokens:
+                self._untold[seq.seq_id] = (reply_to, _merged(earlier, msg), first)
+                return
+            del self._untold[seq.seq_id]
+            reply_to.tell(earlier)
+        self._untold[seq.seq_id] = (reply_to, msg, event.index)
+
+    def _tell_slice(self) -> None:
+        """Tells the next DELIVERY_SLICE streams their tokens; the rest on the loop's next turn."""
+        self._telling = False
+        for _ in range(min(DELIVERY_SLICE, len(self._untold))):
+            _, (reply_to, msg, _) = self._untold.popitem(last=False)
+            reply_to.tell(msg)
+        if self._untold:
+            self._telling = True
+            asyncio.get_running_loop().call_soon(self._tell_slice)
+
+    def _tell_all(self) -> None:
+        """Every token not yet told, now: before anything else is told about a sequence."""
+        self._deliver_tokens()
+        while self._untold:
+            _, (reply_to, msg, _) = self._untold.popitem(last=False)
+            reply_to.tell(msg)
 
     def _observe(self, event: TokenEvent, now: float) -> None:
         self._phases.token(event.seq.seq_id, now)
@@ -167,7 +216,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
 
     def _finish(self, seq: Sequence, error: str | None = None) -> None:
         """A sequence that ended outside a step result (abort, shutdown, death)."""
-        self._deliver_tokens()  # its earlier tokens first
+        self._tell_all()  # its earlier tokens first
         self._dequeue([seq.seq_id], scheduled=False)
         self._ended(seq, clock_us() / 1e6)  # a sequence never scheduled has no phases
         reply_to = self._reply_to.pop(seq.seq_id, None)
@@ -183,3 +232,12 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self.dead_reason = reason
         for seq in self.scheduler.fail_all("error"):
             self._finish(seq, reason)
+
+
+def _merged(earlier: Tokens, later: Tokens) -> Tokens:
+    """One message for two of a sequence's in a row (the prompt's scores come with the first)."""
+    return Tokens(earlier.seq_id, earlier.token_ids + later.token_ids, later.finish_reason,
+                  logprobs=earlier.logprobs + later.logprobs,
+                  top_logprobs=earlier.top_logprobs + later.top_logprobs,
+                  prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
+                  num_cached_tokens=later.num_cached_tokens, error=later.error)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from pypto_serving.actors.base import Actor
-from pypto_serving.actors.scheduler import SchedulerActor
+from pypto_serving.actors.scheduler import DELIVERY_SLICE, SchedulerActor
 from pypto_serving.core.block_allocator import BlockAllocator
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.messages.request import Tokens
-from pypto_serving.messages.scheduler import AbortAll, Submit, WorkerDied
+from pypto_serving.messages.scheduler import Abort, AbortAll, Submit, WorkerDied
 from pypto_serving.messages.worker import StepPlan, StepResult
 from pypto_serving.telemetry.metrics import EngineMetrics
 
@@ -149,3 +149,51 @@ async def test_next_step_goes_out_before_the_last_tokens_are_delivered():
     assert inbox.received[-1].finish_reason == "length" and len(worker.plans) == 8
     alloc.check_integrity()
     await stop(actor, inbox)
+
+
+class Recorder:
+    """A mailbox that notes every message told to it, in one list shared by all of them."""
+
+    def __init__(self, log: list[tuple[int, tuple[int, ...], str | None]]) -> None:
+        self.log = log
+
+    def tell(self, msg: Tokens) -> None:
+        self.log.append((msg.seq_id, msg.token_ids, msg.finish_reason))
+
+
+async def test_streams_are_told_a_slice_per_loop_turn_and_untold_tokens_merge():
+    """Under load (two results handled before the loop turns) the first DELIVERY_SLICE streams
+    hear of step 1 at once and the rest a slice per turn of the loop, those not yet told
+    getting steps 1 and 2 in one message, except a sequence whose first token is within its
+    min_tokens (stop strings are not searched there). An abort first tells the untold tokens."""
+    n = DELIVERY_SLICE + 4
+    alloc = BlockAllocator(4 * n, 4)
+    worker = FakeWorker()
+    policy = Scheduler(SchedulerConfig(max_num_seqs=n, max_model_len=64, async_scheduling=True), alloc)
+    actor = SchedulerActor(policy, worker)
+    log: list = []
+    for seq_id in range(n):
+        sampling = SamplingParams(min_tokens=1 if seq_id == n - 1 else 0)
+        actor.tell(Submit(seq_id, tuple(range(10)), 8, sampling, frozenset(), Recorder(log)))
+    actor.start()
+    await settle()
+    assert [len(p.seqs) for p in worker.plans] == [n, n]  # the prefill and the decode planned ahead
+    for plan, token in zip(worker.plans[:2], (7, 8), strict=True):
+        actor.tell(StepResult(plan.step_id, list(range(n)), [token] * n))
+    told = []
+    for _ in range(4):
+        await asyncio.sleep(0)
+        told.append(len(log))
+    assert told == [DELIVERY_SLICE + 1, 2 * DELIVERY_SLICE + 1, 2 * n - 3, 2 * n - 3]  # 3 merged
+    assert log[:DELIVERY_SLICE] == [(s, (7,), None) for s in range(DELIVERY_SLICE)]
+    assert log[DELIVERY_SLICE] == (n - 1, (7,), None)  # told as its next token came: not merged
+    assert log[DELIVERY_SLICE + 1:] == [
+        (s, (7, 8), None) for s in range(DELIVERY_SLICE, n - 1)] + [
+        (s, (8,), None) for s in range(DELIVERY_SLICE)] + [(n - 1, (8,), None)]
+    del log[:]
+    assert len(worker.plans) == 4
+    actor.tell(StepResult(worker.plans[2].step_id, list(range(n)), [9] * n))
+    actor.tell(Abort(n - 2, "aborted"))  # handled with the result, before the loop turns
+    await settle()
+    assert log == [(s, (9,), None) for s in range(n)] + [(n - 2, (), "aborted")]
+    await actor.stop()
