@@ -26,7 +26,7 @@ from pypto_serving.http.edge import install_edge
 from pypto_serving.http.ops import Ops
 from pypto_serving.http.server import AppRunner, Handlers, build_app
 from pypto_serving.loader.errors import UnsupportedModel
-from pypto_serving.process.heap import release_freed_memory
+from pypto_serving.process.heap import release_freed_memory, serving_collector
 from pypto_serving.telemetry.logs import configure_logging
 from pypto_serving.telemetry.metrics import EngineMetrics
 from pypto_serving.telemetry.profiling import Profiler, SpanRecorder
@@ -241,6 +241,7 @@ async def serve(settings: ServerSettings, tokenizer: Tokenizer, args: argparse.N
     endpoints = [f"{r.method} {r.path}" for r in handlers.routes()] + ops.endpoints()
     _startup_summary(settings, replicas, endpoints)
     log.info("Application startup complete")
+    serving_collector()
     await signals.wait()
     await graceful_shutdown(replicas, ops, runner, settings.shutdown_timeout)
     return 0

@@ -6,9 +6,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit
+# The API process's cyclic collector once it serves: the youngest generation is collected
+# every 10,000 net allocations (Python's default: 700), the older ones half as often.
+SERVING_GC_THRESHOLDS = (10_000, 20, 20)
 
 
 @functools.cache
@@ -48,3 +52,15 @@ def trim_freed_memory() -> None:
     """Returns the heap's free pages to the OS (after loading, after prefill steps, when idle)."""
     if libc := _glibc():
         libc.malloc_trim(0)
+
+
+def serving_collector() -> None:
+    """The API process, once it serves: what start-up made (modules, the app, the tokenizer)
+    lives as long as the process, out of the cyclic collector's sight, and the collector runs
+    less often. Every streamed token allocates a few dozen objects, so with the default
+    thresholds the collector ran every ~20 tokens; at 256 streams on a tiny model this took the
+    API process's CPU per token from ~60 to ~53 us (medians of three alternating runs).
+    Garbage with cycles waits a little longer to be freed: at most some megabytes."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
