@@ -108,7 +108,9 @@ class ReplicaSet:
 
     # -- requests ----------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        return self._routed(request)
+        if len(self.engines) == 1:  # its stream as it is: one async generator less a token
+            return self.engines[0].generate(request)
+        return self._routed(request)  # routed when the stream starts, seeing earlier ones' load
 
     async def _routed(self, request: GenerateRequest) -> AsyncIterator[Event]:
         events = self.route(request).generate(request)

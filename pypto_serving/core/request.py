@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.parsers.reply import ReplyFormat
 from pypto_serving.parsers.tool_calls import ToolCall, ToolCallDelta
@@ -133,8 +135,7 @@ class Echo:
     logprobs: tuple[PromptLogprob, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class TextDelta:
+class TextDelta(msgspec.Struct, frozen=True):
     """New text and the tokens that produced it; the two need not line up: text can be
     held back (stop strings, split characters) while its tokens are already reported.
     `logprobs` has one entry per token when the request asked for logprobs."""

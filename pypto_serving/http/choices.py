@@ -60,18 +60,25 @@ class ChoiceStreams:
         """Events of all choices as they come, until every choice has finished. One choice
         is read in the caller's task; several each have a task that pumps them into one
         queue (a task and a queue hop less per token for the usual request)."""
-        async for index, event in self._merged() if len(self._streams) > 1 else self._single():
-            if self._echo_only and isinstance(event, TextDelta):
-                continue
-            if self._echo_only and isinstance(event, Finished) and event.finish_reason != "error":
-                event = dataclasses.replace(event, finish_reason="length", completion_tokens=0)
-            yield index, event
+        if len(self._streams) == 1:
+            async for event in self._streams[0]:
+                if (shown := self._shown(event)) is not None:
+                    yield 0, shown
+                if isinstance(event, Finished):
+                    return
+            return
+        async for index, event in self._merged():
+            if (shown := self._shown(event)) is not None:
+                yield index, shown
 
-    async def _single(self) -> AsyncIterator[tuple[int, Event]]:
-        async for event in self._streams[0]:
-            yield 0, event
-            if isinstance(event, Finished):
-                return
+    def _shown(self, event: Event) -> Event | None:
+        """The event as the client sees it: a request that only scores its prompt drops the
+        token each choice samples."""
+        if self._echo_only and isinstance(event, TextDelta):
+            return None
+        if self._echo_only and isinstance(event, Finished) and event.finish_reason != "error":
+            return dataclasses.replace(event, finish_reason="length", completion_tokens=0)
+        return event
 
     async def _merged(self) -> AsyncIterator[tuple[int, Event]]:
         loop = asyncio.get_running_loop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from pypto_serving.messages.worker import TopLogprob
 
 
@@ -23,8 +25,7 @@ class Rejected:
     param: str | None = None  # the field to name in a 400 (default: the prompt's)
 
 
-@dataclass(frozen=True, slots=True)
-class Tokens:
+class Tokens(msgspec.Struct, frozen=True):
     """New tokens of a sequence; `finish_reason` set on the last message about it."""
 
     seq_id: int

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from pypto_serving.parsers.reasoning import ReasoningDelta, ReasoningFormat, ReasoningParser
 from pypto_serving.parsers.tool_calls import (
     ContentDelta,
@@ -37,8 +39,7 @@ class ReplyFormat:
     parallel_tool_calls: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class ReplyDelta:
+class ReplyDelta(msgspec.Struct, frozen=True):
     reasoning: str = ""
     content: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
