@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shlex
 import statistics
@@ -55,7 +56,8 @@ def write_model(path: Path) -> None:
 def measure(server: Server, streams: int, input_len: int, output_len: int) -> dict[str, float]:
     cfg = BenchConfig(base_url=server.url, input_len=input_len, output_len=output_len,
                       num_prompts=streams, concurrency=streams, temperature=0.0, ignore_eos=True,
-                      warmup=2, vocab_low=10, vocab_high=SMALL["vocab_size"])
+                      warmup=0, vocab_low=10, vocab_high=SMALL["vocab_size"])
+    asyncio.run(run_benchmark(dataclasses.replace(cfg, num_prompts=2, output_len=8)))  # warm-up
     proc = psutil.Process(server.pid)
     api0, worker0 = cpu_seconds(proc)
     result = asyncio.run(run_benchmark(cfg))
