@@ -137,9 +137,10 @@ class BlockAllocator:
 
     def _grow(self, demand: Demand, running: list[int], preempted: list[int]) -> Grant | None:
         owner = self._owners[demand.seq_id]
-        self._register(owner, demand.num_computed)
+        if owner.num_registered < len(owner.prompt_hashes):  # prompt blocks left to register
+            self._register(owner, demand.num_computed)
         need = self.blocks_for(demand.num_tokens) - len(owner.block_ids)
-        while need > self.num_available:
+        while need > 0 and need > self.num_available:
             victim = self._pick_victim(running, preempted)
             preempted.append(victim)
             self.free(victim)

@@ -235,8 +235,12 @@ class Scheduler:
         """Applies the allocator's answer; None when nothing can run this step."""
         for seq_id in allocation.preempted:
             self._preempt(self._by_id[seq_id])
-        wanted = {d.seq_id: d for d in demands}
-        scheduled = [self._schedule(g, wanted[g.seq_id]) for g in allocation.grants]
+        grants = allocation.grants
+        if len(grants) == len(demands):  # every demand granted, in order (the usual step)
+            scheduled = [self._schedule(g, d) for g, d in zip(grants, demands, strict=True)]
+        else:
+            wanted = {d.seq_id: d for d in demands}
+            scheduled = [self._schedule(g, wanted[g.seq_id]) for g in grants]
         scheduled = [s for s in scheduled if s is not None]
         if not scheduled:
             return None
