@@ -6,7 +6,7 @@
 # The machine lacks these of our dependencies; the rest (aiohttp, jinja2, tokenizers,
 # sentencepiece, safetensors, prometheus-client, transformers, numpy) are there.
 set -euo pipefail
-WHEELS="msgspec==0.23.0 structlog==26.1.0 multiprocess==0.70.19 dill==0.4.1 orjson==3.13.0 gguf==0.19.0 llguidance==1.9.1 pytest-asyncio==1.5.0"
+WHEELS="msgspec==0.23.0 structlog==26.1.0 multiprocess==0.70.19 dill==0.4.1 orjson==3.13.0 gguf==0.19.0 llguidance==1.9.1 pytest-asyncio==1.5.0 py-spy==0.4.3"
 if [ "${1:-}" = "--download" ]; then
     grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
     for w in $WHEELS; do
