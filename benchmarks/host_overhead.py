@@ -11,6 +11,10 @@ output tok/s, TPOT p50, and the API process's CPU microseconds per output token 
 system, from /proc, the whole run including prefills), besides the device worker's. The last
 is the figure to compare between versions: unlike tok/s it does not depend on what else the
 two cores were doing. `--server-args` passes more flags to our server.
+
+`--scheduler`: the scheduling policy alone instead (no server): microseconds a sequence of
+`Scheduler.step` over 400 decode steps of `--streams` sequences (async scheduling, every
+result answered with one token a sequence).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import shlex
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -69,6 +75,33 @@ def measure(server: Server, streams: int, input_len: int, output_len: int) -> di
                 worker_us_per_token=round((worker1 - worker0) / tokens * 1e6, 1))
 
 
+def scheduler_step_us(streams: int, steps: int = 400) -> float:
+    """Microseconds a sequence a step of the pure Scheduler, decode steps only."""
+    from pypto_serving.core.block_allocator import BlockAllocator
+    from pypto_serving.core.sampling_params import SamplingParams
+    from pypto_serving.core.scheduler import Scheduler, SchedulerConfig
+    from pypto_serving.core.sequence import Sequence
+    from pypto_serving.messages.worker import StepResult
+
+    cfg = SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=max(8192, 32 * streams),
+                          max_model_len=2048, async_scheduling=True)
+    policy = Scheduler(cfg, BlockAllocator(streams * 2048 // 16 + 16, 16))
+    for i in range(streams):
+        policy.add(Sequence(i, tuple(range(10, 42)), steps + 8, SamplingParams(), frozenset()))
+    plans = [policy.schedule(), policy.schedule()]  # the prefill, and the decode planned ahead
+    policy_step = policy.step
+    gc.collect()
+    gc.freeze()  # what importing torch made is not walked by the collections the steps cause
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        plan = plans.pop(0)
+        sampled = [s.seq_id for s in plan.seqs if s.sample]
+        nxt, _ = policy_step(StepResult(plan.step_id, sampled, [7] * len(sampled)))
+        if nxt is not None:
+            plans.append(nxt)
+    return (time.perf_counter() - t0) / steps / streams * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=256)
@@ -76,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--server-args", default="", help="more flags for our server, one string")
+    p.add_argument("--scheduler", action="store_true", help="time the scheduling policy alone")
     args = p.parse_args(argv)
+    if args.scheduler:
+        us = sorted(scheduler_step_us(args.streams) for _ in range(max(args.reps, 3)))
+        print(json.dumps(dict(streams=args.streams, scheduler_us_per_seq_step=[round(u, 2) for u in us])))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "tiny"
         write_model(model)
