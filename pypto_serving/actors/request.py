@@ -210,14 +210,27 @@ class RequestStream:
                 unknown(self, msg)
             if count == 0 and (self.request.echo or self.request.sampling.prompt_logprobs is not None):
                 yield self._echo(prompt_ids, prompt_text, msg)
-            count += len(msg.token_ids)
+            # A message can carry several tokens (a stream's tokens not yet told go out together
+            # under load, and speculation keeps several a step): each goes through the
+            # detokenizer, the stop strings and the parser on its own, so a reply ends at the
+            # very token it would end at alone; the tokens taken go out as one delta.
+            pieces = [msg.token_ids[i:i + 1] for i in range(len(msg.token_ids))] or [()]
+            delta, stopped, taken = _NOTHING, False, 0
+            for i, piece in enumerate(pieces):
+                count += len(piece)
+                taken += len(piece)
+                search = count > unchecked
+                text, stopped = stop.push(detok.push(list(piece)), search)
+                if i == len(pieces) - 1 and msg.finish_reason is not None and not stopped:
+                    more, stopped = self._flush(detok, stop, search)
+                    text += more
+                step = parser.push(text)
+                delta = _extended(delta, step)
+                if stopped or step.error is not None:
+                    break
             self._generated = count
-            search = count > unchecked
-            text, stopped = stop.push(detok.push(list(msg.token_ids)), search)
-            if msg.finish_reason is not None and not stopped:
-                more, stopped = self._flush(detok, stop, search)
-                text += more
-            delta = parser.push(text)
+            if taken < len(msg.token_ids):  # ended before its last token: the rest never happened
+                msg = _first(msg, taken)
             ending = stopped or msg.finish_reason is not None or delta.error is not None
             done = self._finish(msg, len(prompt_ids), count, stopped) if ending else None
             if done is not None and delta.error is None:
@@ -274,6 +287,31 @@ class RequestStream:
         self.log.info("invalid model output", error=error)
         return dataclasses.replace(done, finish_reason="error", error=error,
                                    error_type=INVALID_MODEL_OUTPUT)
+
+
+_NOTHING = ReplyDelta()
+
+
+def _extended(a: ReplyDelta, b: ReplyDelta) -> ReplyDelta:
+    """One token's delta `a` and the next one's `b` as one delta; argument fragments of the
+    same call that follow one another become one fragment."""
+    if a == _NOTHING:
+        return b
+    calls = a.tool_calls
+    for call in b.tool_calls:
+        if calls and call.id is None and call.name is None and calls[-1].index == call.index:
+            joined = calls[-1].arguments + call.arguments
+            calls = (*calls[:-1], dataclasses.replace(calls[-1], arguments=joined))
+        else:
+            calls = (*calls, call)
+    return ReplyDelta(a.reasoning + b.reasoning, a.content + b.content, calls, b.error or a.error)
+
+
+def _first(msg: Tokens, n: int) -> Tokens:
+    """The message's first `n` tokens, not its last: no finish_reason."""
+    return Tokens(msg.seq_id, msg.token_ids[:n], None, logprobs=msg.logprobs[:n],
+                  top_logprobs=msg.top_logprobs[:n], prompt_logprobs=msg.prompt_logprobs,
+                  num_cached_tokens=msg.num_cached_tokens)
 
 
 def _joined(a: ReplyDelta, b: ReplyDelta) -> ReplyDelta:

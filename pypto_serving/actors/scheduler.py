@@ -17,8 +17,9 @@ Delivery under load: request streams are told at most `DELIVERY_SLICE` at a time
 the event loop, the rest on the next turns, so a result the device sends meanwhile is planned
 from without waiting for every stream's detokenizing and HTTP write. A sequence whose tokens
 are still waiting when its next ones come gets them in one message (as vLLM merges outputs a
-client has not taken yet): when the API process is the bottleneck (many streams on a fast
-device) each stream is woken once for several tokens, and the device keeps stepping.
+client has not taken yet; the stream still reads them one token at a time): when the API
+process is the bottleneck (many streams on a fast device) each stream is woken once for
+several tokens, and the device keeps stepping.
 """
 
 from __future__ import annotations
@@ -61,9 +62,8 @@ class SchedulerActor(Actor[SchedulerInbox]):
         self.on_death = on_death or self.die
         self._reply_to: dict[int, Mailbox] = {}
         self._undelivered: list[TokenEvent] = []  # the last step's tokens, until the next is sent
-        # seq_id -> (whom to tell, its tokens not yet told, the first one's output index), in
-        # the order they became due
-        self._untold: OrderedDict[int, tuple[Mailbox, Tokens, int]] = OrderedDict()
+        # seq_id -> (whom to tell, its tokens not yet told), in the order they became due
+        self._untold: OrderedDict[int, tuple[Mailbox, Tokens]] = OrderedDict()
         self._telling = False  # a turn of _tell_slice is scheduled
         self._queued: dict[int, tuple[float, int | None]] = {}  # seq_id -> (submitted us, lane)
         self._sent_at: dict[int, float] = {}  # step id -> when it was sent (us)
@@ -171,28 +171,19 @@ class SchedulerActor(Actor[SchedulerInbox]):
             self._tell_slice()
 
     def _due(self, event: TokenEvent, reply_to: Mailbox) -> None:
-        """Queues a token for its stream, in one message with its tokens not yet told where
-        that keeps min_tokens' rule: no stop string is searched for in the text of a reply's
-        first min_tokens tokens, so those go one to a message."""
+        """Queues a token for its stream, in one message with its tokens not yet told."""
         seq = event.seq
         msg = Tokens(seq.seq_id, (event.token_id,), event.finish_reason, logprobs=(event.logprob,),
                      top_logprobs=(event.top_logprobs,), prompt_logprobs=event.prompt_logprobs,
                      num_cached_tokens=seq.num_cached_tokens or 0)
         untold = self._untold.get(seq.seq_id)
-        if untold is not None:
-            _, earlier, first = untold
-            if first >= seq.sampling.min_tokens:
-                self._untold[seq.seq_id] = (reply_to, _merged(earlier, msg), first)
-                return
-            del self._untold[seq.seq_id]
-            reply_to.tell(earlier)
-        self._untold[seq.seq_id] = (reply_to, msg, event.index)
+        self._untold[seq.seq_id] = (reply_to, msg if untold is None else _merged(untold[1], msg))
 
     def _tell_slice(self) -> None:
         """Tells the next DELIVERY_SLICE streams their tokens; the rest on the loop's next turn."""
         self._telling = False
         for _ in range(min(DELIVERY_SLICE, len(self._untold))):
-            _, (reply_to, msg, _) = self._untold.popitem(last=False)
+            _, (reply_to, msg) = self._untold.popitem(last=False)
             reply_to.tell(msg)
         if self._untold:
             self._telling = True
@@ -202,7 +193,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
         """Every token not yet told, now: before anything else is told about a sequence."""
         self._deliver_tokens()
         while self._untold:
-            _, (reply_to, msg, _) = self._untold.popitem(last=False)
+            _, (reply_to, msg) = self._untold.popitem(last=False)
             reply_to.tell(msg)
 
     def _observe(self, event: TokenEvent, now: float) -> None:

@@ -70,7 +70,6 @@ class TokenEvent(msgspec.Struct, frozen=True):
     logprob: float = 0.0
     top_logprobs: tuple = ()
     prompt_logprobs: tuple = ()  # with a sequence's first token: its prompt's scores, when asked
-    index: int = 0  # the token's place among the sequence's output tokens, from 0
 
 
 class Scheduler:
@@ -345,7 +344,7 @@ class Scheduler:
         prompt = ()
         if seq.prompt_scores:
             prompt, seq.prompt_scores = tuple(seq.prompt_scores), []
-        return TokenEvent(seq, token, reason, logprob, top, prompt, seq.num_output_tokens - 1)
+        return TokenEvent(seq, token, reason, logprob, top, prompt)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.running.remove(seq)

@@ -57,30 +57,7 @@ class ChoiceStreams:
         return list(results)
 
     async def events(self) -> AsyncIterator[tuple[int, Echo | TextDelta | Finished]]:
-        """Events of all choices as they come, until every choice has finished. One choice
-        is read in the caller's task; several each have a task that pumps them into one
-        queue (a task and a queue hop less per token for the usual request)."""
-        if len(self._streams) == 1:
-            async for event in self._streams[0]:
-                if (shown := self._shown(event)) is not None:
-                    yield 0, shown
-                if isinstance(event, Finished):
-                    return
-            return
-        async for index, event in self._merged():
-            if (shown := self._shown(event)) is not None:
-                yield index, shown
-
-    def _shown(self, event: Event) -> Event | None:
-        """The event as the client sees it: a request that only scores its prompt drops the
-        token each choice samples."""
-        if self._echo_only and isinstance(event, TextDelta):
-            return None
-        if self._echo_only and isinstance(event, Finished) and event.finish_reason != "error":
-            return dataclasses.replace(event, finish_reason="length", completion_tokens=0)
-        return event
-
-    async def _merged(self) -> AsyncIterator[tuple[int, Event]]:
+        """Events of all choices as they come, until every choice has finished."""
         loop = asyncio.get_running_loop()
         self._pumps = [loop.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
         running = len(self._streams)
@@ -89,6 +66,10 @@ class ChoiceStreams:
             if isinstance(event, BaseException):
                 raise event
             running -= isinstance(event, Finished)
+            if self._echo_only and isinstance(event, TextDelta):
+                continue
+            if self._echo_only and isinstance(event, Finished) and event.finish_reason != "error":
+                event = dataclasses.replace(event, finish_reason="length", completion_tokens=0)
             yield index, event
 
     async def _pump(self, index: int, stream: AsyncIterator[Event]) -> None:

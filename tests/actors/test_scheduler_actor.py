@@ -164,8 +164,7 @@ class Recorder:
 async def test_streams_are_told_a_slice_per_loop_turn_and_untold_tokens_merge():
     """Under load (two results handled before the loop turns) the first DELIVERY_SLICE streams
     hear of step 1 at once and the rest a slice per turn of the loop, those not yet told
-    getting steps 1 and 2 in one message, except a sequence whose first token is within its
-    min_tokens (stop strings are not searched there). An abort first tells the untold tokens."""
+    getting steps 1 and 2 in one message. An abort first tells the untold tokens."""
     n = DELIVERY_SLICE + 4
     alloc = BlockAllocator(4 * n, 4)
     worker = FakeWorker()
@@ -173,8 +172,7 @@ async def test_streams_are_told_a_slice_per_loop_turn_and_untold_tokens_merge():
     actor = SchedulerActor(policy, worker)
     log: list = []
     for seq_id in range(n):
-        sampling = SamplingParams(min_tokens=1 if seq_id == n - 1 else 0)
-        actor.tell(Submit(seq_id, tuple(range(10)), 8, sampling, frozenset(), Recorder(log)))
+        actor.tell(Submit(seq_id, tuple(range(10)), 8, SamplingParams(), frozenset(), Recorder(log)))
     actor.start()
     await settle()
     assert [len(p.seqs) for p in worker.plans] == [n, n]  # the prefill and the decode planned ahead
@@ -184,12 +182,11 @@ async def test_streams_are_told_a_slice_per_loop_turn_and_untold_tokens_merge():
     for _ in range(4):
         await asyncio.sleep(0)
         told.append(len(log))
-    assert told == [DELIVERY_SLICE + 1, 2 * DELIVERY_SLICE + 1, 2 * n - 3, 2 * n - 3]  # 3 merged
-    assert log[:DELIVERY_SLICE] == [(s, (7,), None) for s in range(DELIVERY_SLICE)]
-    assert log[DELIVERY_SLICE] == (n - 1, (7,), None)  # told as its next token came: not merged
-    assert log[DELIVERY_SLICE + 1:] == [
-        (s, (7, 8), None) for s in range(DELIVERY_SLICE, n - 1)] + [
-        (s, (8,), None) for s in range(DELIVERY_SLICE)] + [(n - 1, (8,), None)]
+    rest = n - DELIVERY_SLICE
+    assert told == [DELIVERY_SLICE, 2 * DELIVERY_SLICE, 2 * n - rest, 2 * n - rest]  # rest merged
+    assert log == [(s, (7,), None) for s in range(DELIVERY_SLICE)] + [
+        (s, (7, 8), None) for s in range(DELIVERY_SLICE, n)] + [
+        (s, (8,), None) for s in range(DELIVERY_SLICE)]
     del log[:]
     assert len(worker.plans) == 4
     actor.tell(StepResult(worker.plans[2].step_id, list(range(n)), [9] * n))

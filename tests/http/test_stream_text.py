@@ -10,6 +10,7 @@ stop string or a broken character.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,8 +18,11 @@ from hypothesis import strategies as st
 
 from pypto_serving.actors.request import RequestLimits, RequestStream
 from pypto_serving.core.request import Finished, GenerateRequest, TextDelta
+from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.messages.request import Tokens
 from pypto_serving.messages.scheduler import Abort
+from pypto_serving.parsers.reply import ReplyFormat
+from pypto_serving.parsers.tool_calls import HermesToolParser
 from pypto_serving.tokenizer.tokenizer import Tokenizer
 from tests.http.fakes import Letters, Recorder
 
@@ -97,3 +101,73 @@ def test_a_match_held_until_the_end_still_finishes_with_stop():
 
     delta, done = asyncio.run(run())
     assert (delta.text, done.finish_reason) == ("a", "stop")
+
+
+def test_a_message_of_several_tokens_ends_at_the_token_that_completes_a_stop():
+    """Tokens merged into one message (delivery under load, speculation) end where they would
+    one to a message: the stop's token is the last one reported, with its logprob, and usage
+    counts no token after it."""
+
+    async def run(chunks: list[tuple[int, ...]]) -> tuple[list[TextDelta], Finished, int]:
+        scheduler = Recorder()
+        request = GenerateRequest("x", (5,), 8, stop=("b",), sampling=SamplingParams(logprobs=0))
+        events = RequestStream(request, 0, Letters(), None, scheduler, RequestLimits(64, 8)).events()
+        await anext(events)
+        for chunk in chunks:
+            scheduler.messages[0].reply_to.tell(Tokens(0, chunk, None, logprobs=(-0.5,) * len(chunk),
+                                                       top_logprobs=((),) * len(chunk)))
+        got = [e async for e in events]
+        return got[:-1], got[-1], len(scheduler.of(Abort))
+
+    one_by_one = asyncio.run(run([(0,), (1,), (2,), (3,)]))
+    merged = asyncio.run(run([(0, 1, 2, 3)]))
+    for deltas, done, aborts in (one_by_one, merged):
+        assert "".join(d.text for d in deltas) == "a"
+        assert [t for d in deltas for t in d.token_ids] == [0, 1]  # "b" is token 1: 2 and 3 never were
+        assert sum(len(d.logprobs) for d in deltas) == 2
+        assert (done.finish_reason, done.completion_tokens, aborts) == ("stop", 2, 1)
+    assert len(merged[0]) == 1  # one delta for the tokens taken
+
+
+class Chars:
+    """A tokenizer stand-in over a fixed alphabet: token i is ALPHABET[i]."""
+
+    ALPHABET = sorted(set('<tool_call>{"name": "f", "arguments": {"x": 12}}</tool_call>\\n ok'))
+    vocab_size = len(ALPHABET) + 1
+    bos_token_id = None
+    eos_token_ids = frozenset({len(ALPHABET)})
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.ALPHABET[i] for i in ids if i < len(self.ALPHABET))
+
+    def ids(self, text: str) -> tuple[int, ...]:
+        return tuple(self.ALPHABET.index(c) for c in text)
+
+
+def test_a_call_in_one_message_streams_as_it_does_a_token_at_a_time():
+    """A tool call's text in one message (merged tokens) gives the same call, and one delta
+    whose argument fragments of the call are joined into one."""
+    tok = Chars()
+    reply = ReplyFormat(tool_parser=HermesToolParser, tool_names=frozenset({"f"}))
+    ids = tok.ids('ok <tool_call>{"name": "f", "arguments": {"x": 12}}</tool_call>')
+
+    async def run(chunks: list[tuple[int, ...]]) -> tuple[list[TextDelta], Finished]:
+        scheduler = Recorder()
+        request = GenerateRequest("x", (0,), len(ids), reply=reply)
+        events = RequestStream(request, 0, tok, None, scheduler, RequestLimits(256, 64)).events()
+        await anext(events)
+        for i, chunk in enumerate(chunks):
+            scheduler.messages[0].reply_to.tell(Tokens(0, chunk, "length" if i == len(chunks) - 1 else None))
+        got = [e async for e in events]
+        return got[:-1], got[-1]
+
+    seen = []
+    for chunks in ([ids[i:i + 1] for i in range(len(ids))], [ids]):
+        deltas, done = asyncio.run(run(chunks))
+        calls = [c for d in deltas for c in d.tool_calls]
+        assert [c.name for c in calls if c.name] == ["f"]
+        assert json.loads("".join(c.arguments for c in calls)) == {"x": 12}
+        seen.append(("".join(d.text for d in deltas), done.finish_reason,
+                     [(c.name, c.arguments) for c in done.tool_calls]))
+    assert seen[0] == seen[1] and seen[0][0].strip() == "ok" and seen[0][2] == [("f", '{"x": 12}')]
+    assert len(deltas) == 1 and len(deltas[0].tool_calls) <= 2  # the name, then the arguments at once
