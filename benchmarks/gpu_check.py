@@ -199,8 +199,8 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true", help="the CPU, small shapes, the portable backend")
     p.add_argument("--parts", default="correctness,speed,serving",
                    help="which of (a), (b), (c) to run, comma-separated (default: all)")
-    p.add_argument("--loads", default="256", help="the serving loads' concurrencies, comma-separated "
-                   "(default 256; 1,16,256 adds the latency ones)")
+    p.add_argument("--loads", default=None, help="the serving loads' concurrencies, comma-separated "
+                   "(default 256, with --dry-run 1,4; 1,16,256 adds the latency ones)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     dry = args.dry_run
@@ -221,7 +221,7 @@ def main() -> int:
         if "speed" in parts:
             batches = [1, 4] if dry else [1, 16, 64, 256]
             speed(model, backend, device, batches, 256 if dry else 2048, 2 * params)
-        loads = [1, 4] if dry else [int(c) for c in args.loads.split(",")]
+        loads = [int(c) for c in (args.loads or ("1,4" if dry else "256")).split(",")]
         if "serving" in parts:
             serving(model, backend, loads, *((32, 16) if dry else (128, 256)), shape["vocab_size"])
     return 0 if ok else 1

@@ -7,14 +7,17 @@
 #   here, once:  bash benchmarks/gpu_parallel_check.sh --download   (wheels, py-spy's too, into .whl/)
 #   there:       bash benchmarks/gpu_serving_profile.sh             (carry .whl)
 # Results in $OUT (default /tmp/out): serving.log (one JSON line a load), api.txt and
-# child_PID.txt (py-spy's raw stacks: `stack count` lines), top.txt, pids.txt.
+# child_PID.txt (py-spy's raw stacks: `python -m benchmarks.spy_summary api.txt` sums them up),
+# top.txt, pids.txt. Arguments go to gpu_check (`--dry-run`: this script's own check on a CPU).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@"; }
+install $(ls .whl/*.whl | grep -v py_spy)
+install .whl/py_spy*.whl  # apart: a profile without it still serves
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 spy=/tmp/site/bin/py-spy
-python3 -m benchmarks.gpu_check --parts serving --loads 1,16,256,256,256,256 > "$out/serving.log" 2>&1 &
+python3 -m benchmarks.gpu_check --parts serving --loads 1,16,256,256,256,256 "$@" > "$out/serving.log" 2>&1 &
 bench=$!
 for _ in $(seq 1500); do  # the c16 result is out: the first 256-stream run has begun
     grep -q "serving 16 streams" "$out/serving.log" && break
