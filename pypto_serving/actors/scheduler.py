@@ -189,12 +189,13 @@ class SchedulerActor(Actor[SchedulerInbox]):
             self._telling = True
             asyncio.get_running_loop().call_soon(self._tell_slice)
 
-    def _tell_all(self) -> None:
-        """Every token not yet told, now: before anything else is told about a sequence."""
+    def _tell_now(self, seq_id: int) -> None:
+        """A sequence's tokens not yet told, now: before anything else is told about it (the
+        other streams keep their turn)."""
         self._deliver_tokens()
-        while self._untold:
-            _, (reply_to, msg) = self._untold.popitem(last=False)
-            reply_to.tell(msg)
+        untold = self._untold.pop(seq_id, None)
+        if untold is not None:
+            untold[0].tell(untold[1])
 
     def _observe(self, event: TokenEvent, now: float) -> None:
         self._phases.token(event.seq.seq_id, now)
@@ -207,7 +208,7 @@ class SchedulerActor(Actor[SchedulerInbox]):
 
     def _finish(self, seq: Sequence, error: str | None = None) -> None:
         """A sequence that ended outside a step result (abort, shutdown, death)."""
-        self._tell_all()  # its earlier tokens first
+        self._tell_now(seq.seq_id)  # its earlier tokens first
         self._dequeue([seq.seq_id], scheduled=False)
         self._ended(seq, clock_us() / 1e6)  # a sequence never scheduled has no phases
         reply_to = self._reply_to.pop(seq.seq_id, None)

@@ -164,7 +164,8 @@ class Recorder:
 async def test_streams_are_told_a_slice_per_loop_turn_and_untold_tokens_merge():
     """Under load (two results handled before the loop turns) the first DELIVERY_SLICE streams
     hear of step 1 at once and the rest a slice per turn of the loop, those not yet told
-    getting steps 1 and 2 in one message. An abort first tells the untold tokens."""
+    getting steps 1 and 2 in one message. An abort first tells that sequence's untold tokens;
+    the others keep their turn."""
     n = DELIVERY_SLICE + 4
     alloc = BlockAllocator(4 * n, 4)
     worker = FakeWorker()
@@ -192,5 +193,7 @@ async def test_streams_are_told_a_slice_per_loop_turn_and_untold_tokens_merge():
     actor.tell(StepResult(worker.plans[2].step_id, list(range(n)), [9] * n))
     actor.tell(Abort(n - 2, "aborted"))  # handled with the result, before the loop turns
     await settle()
-    assert log == [(s, (9,), None) for s in range(n)] + [(n - 2, (), "aborted")]
+    assert log == [(s, (9,), None) for s in range(DELIVERY_SLICE)] + [
+        (n - 2, (9,), None), (n - 2, (), "aborted")] + [
+        (s, (9,), None) for s in range(DELIVERY_SLICE, n) if s != n - 2]
     await actor.stop()
