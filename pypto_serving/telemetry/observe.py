@@ -78,11 +78,17 @@ class RequestObserver:
 
     def _tokens(self, count: int) -> None:
         now = time.monotonic()
+        # One inter-token sample between each two tokens, also for tokens that come together
+        # (speculation, or a stream's tokens merged under load): those share the wait since
+        # the stream's last tokens evenly; the ones that come with the first wait nothing.
         if self.first_token is None:
             self.first_token = now
             self.metrics.observe("ttft", now - self.arrival)
+            gaps = (0.0,) * (count - 1)
         else:
-            self.metrics.observe("itl", now - self.last_token)
+            gaps = ((now - self.last_token) / count,) * count
+        for gap in gaps:
+            self.metrics.observe("itl", gap)
         self.last_token = now
         self.output_tokens += count
         self.metrics.tokens_generated(count)

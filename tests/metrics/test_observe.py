@@ -23,6 +23,15 @@ def counts(metrics: EngineMetrics) -> dict[str, int]:
     return {k: h.count for k, h in metrics.histograms.items() if h.count}
 
 
+def test_tokens_that_come_together_still_give_one_itl_sample_between_each_two():
+    """Several tokens in one delta (speculation, or a stream's tokens merged under load):
+    1 + 2 with the first delta, then 3: 5 inter-token samples for 6 tokens."""
+    deltas = [TextDelta("ab", (1, 2)), TextDelta("cde", (3, 4, 5)), TextDelta("f", (6,))]
+    metrics, _ = observed(Started(5, 10), *deltas, Finished("length", 5, 6))
+    assert metrics.histograms["itl"].count == 5 and metrics.histograms["ttft"].count == 1
+    assert metrics.generation_tokens == 6
+
+
 def test_a_finished_request_gives_one_ttft_and_one_e2e_sample():
     deltas = [TextDelta("a", (1,)), TextDelta("", (2,)), TextDelta("b", (3,))]
     metrics, _ = observed(Started(5, 10), *deltas, Finished("eos", 5, 3))
