@@ -120,7 +120,7 @@ class BlockAllocator:
         running = [d.seq_id for d in demands if d.prompt_ids is None]
         admitting = True
         for demand in demands:
-            if preempted and demand.seq_id in preempted:
+            if demand.seq_id in preempted:
                 continue
             if demand.prompt_ids is None:
                 grant = self._grow(demand, running, preempted)
@@ -137,10 +137,9 @@ class BlockAllocator:
 
     def _grow(self, demand: Demand, running: list[int], preempted: list[int]) -> Grant | None:
         owner = self._owners[demand.seq_id]
-        if owner.num_registered < len(owner.prompt_hashes):  # prompt blocks left to register
-            self._register(owner, demand.num_computed)
+        self._register(owner, demand.num_computed)
         need = self.blocks_for(demand.num_tokens) - len(owner.block_ids)
-        while need > 0 and need > self.num_available:
+        while need > self.num_available:
             victim = self._pick_victim(running, preempted)
             preempted.append(victim)
             self.free(victim)
@@ -189,11 +188,9 @@ class BlockAllocator:
         return hits
 
     def _register(self, owner: _Owner, num_computed: int) -> None:
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or owner.num_registered >= len(owner.prompt_hashes):
+            return  # nothing to register, or every prompt block registered already
         full = min(num_computed // self.block_size, len(owner.prompt_hashes))
-        if full <= owner.num_registered:
-            return
         for i in range(owner.num_registered, full):
             block_hash, block = owner.prompt_hashes[i], owner.block_ids[i]
             if block_hash not in self._block_of and block not in self._hash_of:

@@ -189,10 +189,10 @@ class Scheduler:
         speculating = self._speculating()
         max_model_len = self.config.max_model_len
         for seq in self.running:
-            if seq.inflight and seq.at_limit(max_model_len):
+            if seq.at_limit(max_model_len):
                 continue  # the token a step in flight samples is its last
             pending = seq.num_pending
-            n = min(pending, budget, self._chunk_cap(seq) if pending > 1 else pending)
+            n = min(pending, budget, self._chunk_cap(pending))
             if speculating and n == pending == 1 and seq.ngrams is not None:
                 draft = seq.ngrams.propose(self._draft_room(seq, budget))
                 if draft:
@@ -202,7 +202,7 @@ class Scheduler:
             demands.append(Demand(seq.seq_id, seq.num_computed + n, seq.num_computed))
         slots = self.config.max_num_seqs - len(self.running)
         for seq in list(self.waiting)[:max(slots, 0)]:
-            n = min(seq.num_tokens, budget, self._chunk_cap(seq))
+            n = min(seq.num_tokens, budget, self._chunk_cap(seq.num_pending))
             if n <= 0 or (not self.config.enable_chunked_prefill and n < seq.num_tokens):
                 break
             budget -= n
@@ -225,9 +225,10 @@ class Scheduler:
                    seq.max_tokens - seq.num_output_tokens - 1,
                    self.config.max_model_len - seq.num_tokens - 1)
 
-    def _chunk_cap(self, seq: Sequence) -> int:
-        if not self.config.enable_chunked_prefill or seq.num_pending <= 1:
-            return seq.num_pending
+    def _chunk_cap(self, pending: int) -> int:
+        """The most of a sequence's `pending` tokens one step computes."""
+        if not self.config.enable_chunked_prefill or pending <= 1:
+            return pending
         return self.config.long_prefill_token_threshold
 
     def _commit(self, demands: list[Demand], allocation: Allocation) -> StepPlan | None:
@@ -278,7 +279,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, n: int) -> ScheduledSeq:
         start, table = seq.num_computed, self.allocator.block_table(seq.seq_id)
         sent, reset = seq.sent(len(table))
-        draft = self._drafts.get(seq.seq_id, []) if self._drafts else []
+        draft = self._drafts.get(seq.seq_id, [])
         known = n - len(draft)
         token_ids = seq.token_slice(start, start + known)
         sample = start + known == seq.num_tokens + seq.inflight

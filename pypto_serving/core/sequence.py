@@ -74,7 +74,7 @@ class Sequence:
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens start .. end - 1; PLACEHOLDER where a step in flight will sample one."""
         prompt_len = len(self.prompt_ids)
-        if start >= prompt_len:  # outputs only (a decode step)
+        if start >= prompt_len:  # outputs only (a decode step: a third of the general path's time)
             num_tokens = prompt_len + len(self.output_ids)
             tail = self.output_ids[start - prompt_len:end - prompt_len]
             return tail + [PLACEHOLDER] * (end - max(start, num_tokens)) if end > num_tokens else tail
@@ -88,7 +88,8 @@ class Sequence:
 
     def _at_length(self, more: int, max_model_len: int) -> bool:
         """`more` tokens on, it has its max_tokens or fills the context."""
-        return self.num_output_tokens + more >= self.max_tokens or self.num_tokens + more >= max_model_len
+        outputs = len(self.output_ids) + more  # (a step's hot path: no properties)
+        return outputs >= self.max_tokens or len(self.prompt_ids) + outputs >= max_model_len
 
     def admit(self, num_cached: int) -> None:
         self.status = SeqStatus.RUNNING
@@ -135,9 +136,8 @@ class Sequence:
 
     def stop_reason(self, max_model_len: int) -> str | None:
         """Why the sequence ends after its newest token, or None to go on."""
-        outputs = self.output_ids
-        if outputs and outputs[-1] in self.stop_token_ids:
+        if self.output_ids and self.output_ids[-1] in self.stop_token_ids:
             return "eos"  # http/ reports it as "stop"; offline mode prints "eos"
-        if len(outputs) >= self.max_tokens or len(self.prompt_ids) + len(outputs) >= max_model_len:
-            return "length"  # as _at_length(0, max_model_len)
+        if self._at_length(0, max_model_len):
+            return "length"
         return None
