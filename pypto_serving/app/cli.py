@@ -107,6 +107,9 @@ def _vllm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto; here auto works wherever a tool-call "
                         "parser is set (refused with --tool-call-parser none)")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave the declared tools out of the prompt of a request with tool_choice "
+                        "none (default: the template renders them, the reply is text either way)")
     p.add_argument("--seed", type=int, default=None,
                    help="seeds the random seeds of requests that bring none, so a run is repeatable "
                         "(a request's own seed still wins)")

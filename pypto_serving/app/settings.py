@@ -417,4 +417,5 @@ def _max_blocks(args: argparse.Namespace, block_size: int) -> int:
 def _parsers(args: argparse.Namespace, family: str) -> ModelParsers:
     return ModelParsers(reasoning_parser_for(family, args.reasoning_parser),
                         tool_parser_for(family, args.tool_call_parser),
-                        tool_parser_name(family, args.tool_call_parser))
+                        tool_parser_name(family, args.tool_call_parser),
+                        args.exclude_tools_when_tool_choice_none)

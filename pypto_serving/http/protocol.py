@@ -66,6 +66,9 @@ class ModelParsers:
     reasoning: ReasoningFormat | None = None
     tool_parser: Callable[..., ToolParser] | None = None
     tool_parser_name: str = "none"  # as chosen (hermes and qwen are one parser)
+    # tool_choice "none": the template still renders the tools (vLLM's default), unless this
+    # (--exclude-tools-when-tool-choice-none) leaves them out
+    exclude_tools_when_none: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +322,7 @@ def with_request_id(parsed: Parsed, rid: str | None) -> Parsed:
 def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers | None = None) -> Parsed:
     parsers = parsers or ModelParsers()
     options = _check_options(body, defaults)
-    tools = _tools(body, parsers)
+    tools, callable_tools = _tools(body, parsers)
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = _or(body.top_logprobs, 0) if body.logprobs else None
@@ -328,11 +331,11 @@ def parse_chat(body: ChatBody, defaults: GenerateDefaults, parsers: ModelParsers
                      body.add_generation_prompt)
     request = _generate_request("chatcmpl", chat, body, defaults, _chat_max_tokens(body, defaults),
                                 logprobs, _or(body.ignore_eos, defaults.ignore_eos),
-                                _forced_call(body, tools))
+                                _forced_call(body, callable_tools))
     reply = ReplyFormat(
         reasoning=parsers.reasoning, include_reasoning=body.include_reasoning,
-        tool_parser=parsers.tool_parser if tools else None,
-        tool_names=frozenset(t["function"]["name"] for t in tools),
+        tool_parser=parsers.tool_parser if callable_tools else None,
+        tool_names=frozenset(t["function"]["name"] for t in callable_tools),
         parallel_tool_calls=_or(body.parallel_tool_calls, True))
     return Parsed(dataclasses.replace(request, reply=reply), **options,
                   prompt_logprobs=body.prompt_logprobs)
@@ -361,8 +364,10 @@ def _max_tokens(body: GenerateFields, defaults: GenerateDefaults) -> int | None:
     return _or(_pick(body.max_tokens, None), defaults.max_new_tokens)
 
 
-def _tools(body: ChatBody, parsers: ModelParsers) -> list[dict[str, Any]]:
-    """The declared tools the model sees and may call: none with tool_choice "none"."""
+def _tools(body: ChatBody, parsers: ModelParsers) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The declared tools the model sees, and those it may call: with tool_choice "none" it
+    sees them all (as vLLM: the prompt keeps the prefix of the turns that may call them; none
+    with --exclude-tools-when-tool-choice-none) and calls none (its reply is text)."""
     tools = body.tools or []
     names = [t.function.name for t in tools]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -375,12 +380,13 @@ def _tools(body: ChatBody, parsers: ModelParsers) -> list[dict[str, Any]]:
                              "'tools'", "tool_choice")
     if choice == "required" and not tools:
         raise InvalidRequest("'tool_choice' is 'required' but 'tools' declares no tool", "tool_choice")
-    if not tools or choice == "none":
-        return []
-    if parsers.tool_parser is None:
+    declared = [msgspec.to_builtins(t) for t in tools]
+    if choice == "none":
+        return ([] if parsers.exclude_tools_when_none else declared), []
+    if tools and parsers.tool_parser is None:
         raise InvalidRequest("'tools' is not supported for this model: it has no tool-call "
                              "parser (see --tool-call-parser)", "tools")
-    return [msgspec.to_builtins(t) for t in tools]
+    return declared, declared
 
 
 def _forced_call(body: ChatBody, tools: list[dict[str, Any]]) -> tuple[str, str] | None:

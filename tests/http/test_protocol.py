@@ -189,7 +189,12 @@ def test_tools_need_a_parser():
     rejected(chat, "tool_choice", tool_choice="required")
     chat(tools=[], tool_choice="auto")
     plain = chat(tools=[tool], tool_choice="none").request  # nothing to parse: allowed
-    assert plain.prompt.tools is None and plain.reply.tool_parser is None
+    assert [t["function"]["name"] for t in plain.prompt.tools] == ["f"]  # seen, as on vLLM
+    assert plain.reply.tool_parser is None  # and never parsed for calls
+    fields = {"messages": USER, "tools": [tool], "tool_choice": "none"}
+    body = protocol.decode_body(json.dumps(fields).encode(), bodies.ChatBody)
+    excluded = protocol.parse_chat(body, SERVER, protocol.ModelParsers(exclude_tools_when_none=True))
+    assert excluded.request.prompt.tools is None and excluded.request.reply.tool_parser is None
 
 
 def test_reasoning_effort_and_template_kwargs_reach_the_template():

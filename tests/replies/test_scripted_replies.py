@@ -138,6 +138,21 @@ async def test_tool_choice_none_leaves_the_text_alone(qwen: ScriptedServer):
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == CALL
 
 
+async def test_tool_choice_none_still_shows_the_tools_unless_the_server_excludes_them():
+    """As on vLLM: the prompt renders the tools (a turn that may call them shares its prefix);
+    --exclude-tools-when-tool-choice-none leaves them out."""
+    prompts = {}
+    for flags in ((), ("--exclude-tools-when-tool-choice-none",)):
+        server = ScriptedServer(str(qwen_coder_path()), *flags)
+        server.say("Sunny.")
+        async with server as client:
+            prompts[flags] = [(await post(client, **body))["usage"]["prompt_tokens"] for body in (
+                {}, {"tools": [WEATHER], "tool_choice": "none"}, {"tools": [WEATHER]})]
+    bare, none, auto = prompts[()]
+    assert none == auto > bare + 20  # the tools' declaration is in the prompt
+    assert prompts[("--exclude-tools-when-tool-choice-none",)] == [bare, bare, auto]
+
+
 async def test_malformed_call_is_an_error_event_after_the_headers(qwen: ScriptedServer):
     qwen.say('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>')
     async with qwen as client:
