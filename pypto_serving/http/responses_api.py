@@ -117,7 +117,7 @@ class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call"):
     call_id: str
     name: str
     arguments: str
-    status: Literal["completed"] = "completed"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 OutputItem = MessageItem | ReasoningItem | FunctionCallItem
@@ -288,7 +288,12 @@ class ResponseStore:
 
 
 class ResponseBuilder:
-    """One response: its items as the events come, and the conversation to store."""
+    """One response: its items as the events come, and the conversation to store.
+
+    Items keep the order in which they began (`order`): the reasoning, the message and each
+    call as its first text or its name came, so a stream can announce each at its final index.
+    A call that max_output_tokens cut off stays an item, `incomplete`, once its name came
+    (as streamed); cut before that, its text ends the message, as in a chat reply."""
 
     def __init__(self, body: ResponsesBody, model: str):
         self.body = body
@@ -299,26 +304,61 @@ class ResponseBuilder:
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.text: list[str] = []
         self.reasoning: list[str] = []
+        self.calls: list[list[str]] = []  # by index: call id, name, then argument fragments
+        self.order: list[str | int] = []  # "reasoning", "message", a call's index
         self.done: Finished | None = None
 
     def add(self, event: TextDelta | Finished) -> None:
-        if isinstance(event, TextDelta):
-            self.text.append(event.text)
-            self.reasoning.append(event.reasoning)
-        else:
+        if not isinstance(event, TextDelta):
             self.done = event
+            return
+        for key, text, parts in (("reasoning", event.reasoning, self.reasoning),
+                                 ("message", event.text, self.text)):
+            if text:
+                if not parts:
+                    self.order.append(key)
+                parts.append(text)
+        for call in event.tool_calls:
+            if call.index == len(self.calls):  # its first delta: id and name
+                self.calls.append([call.id or "", call.name or ""])
+                self.order.append(call.index)
+            if call.arguments:
+                self.calls[call.index].append(call.arguments)
+
+    def item_id(self, key: str | int) -> str:
+        if key == "reasoning":
+            return self.reasoning_id
+        if key == "message":
+            return self.message_id
+        return "fc_" + self.calls[key][0].removeprefix("call_")
+
+    def message_text(self) -> str:
+        """The reply's text, and the text of a call cut before its name came."""
+        cut = self.done.cut_call if self.done is not None and not self._cut_item() else ""
+        return "".join(self.text) + cut
 
     def items(self) -> list[OutputItem]:
-        out: list[OutputItem] = []
-        if "".join(self.reasoning):
-            out.append(ReasoningItem(self.reasoning_id, [ReasoningText("".join(self.reasoning))]))
-        calls = self.done.tool_calls if self.done is not None else ()
-        if "".join(self.text) or not calls:
+        keys = list(self.order)
+        if "message" not in keys and (self.message_text() or not self.calls):
+            keys.append("message")
+        return [self._item(key) for key in keys]
+
+    def _item(self, key: str | int) -> OutputItem:
+        if key == "reasoning":
+            return ReasoningItem(self.reasoning_id, [ReasoningText("".join(self.reasoning))])
+        if key == "message":
             status = "incomplete" if self._incomplete() else "completed"
-            out.append(MessageItem(self.message_id, [OutputText("".join(self.text))], status))
-        out += [FunctionCallItem(f"fc_{c.id.removeprefix('call_')}", c.id, c.name, c.arguments)
-                for c in calls]
-        return out
+            return MessageItem(self.message_id, [OutputText(self.message_text())], status)
+        complete = self.done.tool_calls if self.done is not None else ()
+        if key < len(complete):
+            call = complete[key]
+            return FunctionCallItem(self.item_id(key), call.id, call.name, call.arguments)
+        call_id, name, *arguments = self.calls[key]
+        return FunctionCallItem(self.item_id(key), call_id, name, "".join(arguments), "incomplete")
+
+    def _cut_item(self) -> bool:
+        """Whether a call was cut after its name came (an incomplete item, not message text)."""
+        return self.done is not None and len(self.calls) > len(self.done.tool_calls)
 
     def _incomplete(self) -> bool:
         return self.done is not None and self.done.finish_reason == "length"
@@ -338,12 +378,14 @@ class ResponseBuilder:
             body.top_p, usage, IncompleteDetails("max_output_tokens") if self._incomplete() else None)
 
     def conversation(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """What a later request continuing this one reads before its own input."""
-        turn: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
-        calls = self.done.tool_calls if self.done is not None else ()
-        if calls:
+        """What a later request continuing this one reads before its own input: the complete
+        calls as calls, a cut one as the text it was (as a chat reply gives it)."""
+        done = self.done
+        turn: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) + done.cut_call}
+        if done.tool_calls:
             turn["tool_calls"] = [{"id": c.id, "type": "function",
-                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                                   "function": {"name": c.name, "arguments": c.arguments}}
+                                  for c in done.tool_calls]
         return history + input_messages(self.body.input) + [turn]
 
 
@@ -353,13 +395,13 @@ Send = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 
 class EventWriter:
-    """The Responses stream's events, numbered in order. Items stream in the order of the
-    final `output`: reasoning (index 0, when the model thinks first), the message, then calls."""
+    """The Responses stream's events, numbered in order. Each item is announced at the index
+    it has in the final `output` (the order in which the items began)."""
 
     def __init__(self, send: Send, builder: ResponseBuilder):
         self.send, self.builder = send, builder
         self.sequence = 0
-        self.streamed: set[str] = set()  # item ids whose item.added went out
+        self.streamed: dict[str, int] = {}  # announced items: characters of text sent
 
     async def event(self, kind: str, **fields: Any) -> None:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -372,40 +414,62 @@ class EventWriter:
         await self.event("response.in_progress", response=response)
 
     async def delta(self, event: TextDelta) -> None:
+        """After `builder.add(event)`: its text, reasoning and call arguments."""
+        builder = self.builder
         if event.reasoning:
-            item_id = self.builder.reasoning_id
-            await self._open(item_id, 0, ReasoningItem(item_id, []), ReasoningText(""))
-            await self.event("response.reasoning_text.delta", item_id=item_id, output_index=0,
-                             content_index=0, delta=event.reasoning)
+            await self._text("reasoning", "reasoning_text", event.reasoning)
         if event.text:
-            item_id, index = self.builder.message_id, int(self.builder.reasoning_id in self.streamed)
-            await self._open(item_id, index, MessageItem(item_id, [], "in_progress"), OutputText(""))
-            await self.event("response.output_text.delta", item_id=item_id, output_index=index,
-                             content_index=0, delta=event.text)
+            await self._text("message", "output_text", event.text)
+        for call in event.tool_calls:
+            item_id, index = builder.item_id(call.index), builder.order.index(call.index)
+            if item_id not in self.streamed:
+                self.streamed[item_id] = 0
+                call_id, name = builder.calls[call.index][:2]
+                item = FunctionCallItem(item_id, call_id, name, "", "in_progress")
+                await self.event("response.output_item.added", output_index=index,
+                                 item=msgspec.to_builtins(item))
+            if call.arguments:
+                await self.event("response.function_call_arguments.delta", item_id=item_id,
+                                 output_index=index, delta=call.arguments)
 
-    async def _open(self, item_id: str, index: int, item: OutputItem, part: Any) -> None:
-        if item_id in self.streamed:
-            return
-        self.streamed.add(item_id)
-        await self.event("response.output_item.added", output_index=index, item=msgspec.to_builtins(item))
-        await self.event("response.content_part.added", item_id=item_id, output_index=index,
-                         content_index=0, part=msgspec.to_builtins(part))
+    async def _text(self, key: str, kind: str, text: str, index: int | None = None) -> None:
+        """`text` of the reasoning or the message, announcing the item first."""
+        item_id = self.builder.item_id(key)
+        index = self.builder.order.index(key) if index is None else index
+        if item_id not in self.streamed:
+            self.streamed[item_id] = 0
+            reasoning = key == "reasoning"
+            item = ReasoningItem(item_id, []) if reasoning else MessageItem(item_id, [], "in_progress")
+            part = ReasoningText("") if reasoning else OutputText("")
+            await self.event("response.output_item.added", output_index=index, item=msgspec.to_builtins(item))
+            await self.event("response.content_part.added", item_id=item_id, output_index=index,
+                             content_index=0, part=msgspec.to_builtins(part))
+        if text:
+            self.streamed[item_id] += len(text)
+            await self.event(f"response.{kind}.delta", item_id=item_id, output_index=index,
+                             content_index=0, delta=text)
 
     async def finish(self) -> None:
         response = self.builder.response()
         for index, item in enumerate(response.output):
             data = msgspec.to_builtins(item)
-            if item.id not in self.streamed:
-                await self.event("response.output_item.added", output_index=index, item=data)
-            elif isinstance(item, (MessageItem, ReasoningItem)):
-                kind = "output_text" if isinstance(item, MessageItem) else "reasoning_text"
-                await self.event(f"response.{kind}.done", item_id=item.id, output_index=index,
-                                 content_index=0, text=item.content[0].text)
-                await self.event("response.content_part.done", item_id=item.id, output_index=index,
-                                 content_index=0, part=data["content"][0])
             if isinstance(item, FunctionCallItem):
+                if item.id not in self.streamed:
+                    opened = msgspec.structs.replace(item, arguments="", status="in_progress")
+                    await self.event("response.output_item.added", output_index=index,
+                                     item=msgspec.to_builtins(opened))
                 await self.event("response.function_call_arguments.done", item_id=item.id,
                                  output_index=index, arguments=item.arguments)
+            else:
+                key, kind = (("message", "output_text") if isinstance(item, MessageItem)
+                             else ("reasoning", "reasoning_text"))
+                text = item.content[0].text
+                # what was not streamed: a cut call's text, or an empty message's announcement
+                await self._text(key, kind, text[self.streamed.get(item.id, 0):], index)
+                await self.event(f"response.{kind}.done", item_id=item.id, output_index=index,
+                                 content_index=0, text=text)
+                await self.event("response.content_part.done", item_id=item.id, output_index=index,
+                                 content_index=0, part=data["content"][0])
             await self.event("response.output_item.done", output_index=index, item=data)
         # response.completed even when cut off (its status says so): the SDKs wait for it
         await self.event("response.completed", response=msgspec.to_builtins(response))

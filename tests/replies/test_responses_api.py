@@ -107,3 +107,57 @@ async def test_an_unanswerable_call_output_is_named_in_the_inputs_terms(qwen: Sc
         body = await r.json()
     assert r.status == 400 and body["param"] == "input"
     assert "input[1]" in body["message"] and "call_id 'zzz'" in body["message"]
+
+
+async def test_a_streamed_call_sends_its_arguments_as_they_come(qwen: ScriptedServer):
+    qwen.say(THOUGHT + CALL)
+    async with qwen as client:
+        data = await events(client, input="What is the weather in Paris?", tools=[TOOL])
+        whole = await respond(client, input="What is the weather in Paris?", tools=[TOOL])
+    final = data[-1]["response"]
+    assert [i["type"] for i in final["output"]] == [i["type"] for i in whole["output"]] == [
+        "reasoning", "function_call"]
+    call = final["output"][1]
+    added = [d for d in data if d["type"] == "response.output_item.added"]
+    assert added[1]["output_index"] == 1
+    assert added[1]["item"] == {**call, "arguments": "", "status": "in_progress"}
+    deltas = [d for d in data if d["type"] == "response.function_call_arguments.delta"]
+    kinds = [d["type"] for d in data]  # fragments as the model writes them, then the whole
+    assert len(deltas) > 1 and data.index(deltas[-1]) < kinds.index("response.function_call_arguments.done")
+    assert "".join(d["delta"] for d in deltas) == call["arguments"]
+    assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "C"} and call["status"] == "completed"
+    done = [d for d in data if d["type"] == "response.output_item.done"]
+    assert [d["item"] for d in done] == final["output"]
+    for d in data:
+        if "item_id" in d:
+            assert final["output"][d["output_index"]]["id"] == d["item_id"]
+
+
+async def test_a_call_cut_by_max_output_tokens_stays_an_incomplete_item(qwen: ScriptedServer):
+    """Cut after its name came (streamed as an item): an `incomplete` function_call, whole and
+    streamed alike; cut before it, its text ends the message, as a chat reply gives it."""
+    qwen.say(CALL)
+    tokens = qwen.tokenizer.encode(CALL, add_special_tokens=False)
+    body = {"input": "What is the weather in Paris?", "tools": [TOOL]}
+    async with qwen as client:
+        whole = await respond(client, **body, max_output_tokens=len(tokens) - 6)
+        data = await events(client, **body, max_output_tokens=len(tokens) - 6)
+        early = await respond(client, **body, max_output_tokens=3)
+        early_events = await events(client, **body, max_output_tokens=3)
+    final = data[-1]["response"]
+    for response in (whole, final):
+        assert response["status"] == "incomplete"
+        assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+        [call] = response["output"]
+        assert call["type"] == "function_call" and call["status"] == "incomplete"
+        assert call["name"] == "get_weather" and '{"city": "Paris"'.startswith(call["arguments"][:10])
+    assert whole["output"][0]["arguments"] == final["output"][0]["arguments"]
+    assert "".join(d["delta"] for d in data if d["type"] == "response.function_call_arguments.delta") \
+        == final["output"][0]["arguments"]
+    cut_text = qwen.tokenizer.decode(tokens[:3])
+    for response in (early, early_events[-1]["response"]):
+        [message] = response["output"]
+        assert message["type"] == "message" and message["status"] == "incomplete"
+        assert message["content"][0]["text"] == cut_text
+    streamed = "".join(d["delta"] for d in early_events if d["type"] == "response.output_text.delta")
+    assert streamed == cut_text
