@@ -293,7 +293,10 @@ class ResponseBuilder:
     Items keep the order in which they began (`order`): the reasoning, the message and each
     call as its first text or its name came, so a stream can announce each at its final index.
     A call that max_output_tokens cut off stays an item, `incomplete`, once its name came
-    (as streamed); cut before that, its text ends the message, as in a chat reply."""
+    (as streamed); cut before that, its text ends the message, as in a chat reply. A call of
+    a `strict` tool is held until it is complete (clients parse its arguments as JSON: the
+    OpenAI SDK's `parse` does), and comes after the other items; cut, its text ends the
+    message."""
 
     def __init__(self, body: ResponsesBody, model: str):
         self.body = body
@@ -306,6 +309,8 @@ class ResponseBuilder:
         self.reasoning: list[str] = []
         self.calls: list[list[str]] = []  # by index: call id, name, then argument fragments
         self.order: list[str | int] = []  # "reasoning", "message", a call's index
+        self.strict = {t.name for t in body.tools or () if t.strict}
+        self.held: set[int] = set()  # the calls of strict tools
         self.done: Finished | None = None
 
     def add(self, event: TextDelta | Finished) -> None:
@@ -321,7 +326,10 @@ class ResponseBuilder:
         for call in event.tool_calls:
             if call.index == len(self.calls):  # its first delta: id and name
                 self.calls.append([call.id or "", call.name or ""])
-                self.order.append(call.index)
+                if call.name in self.strict:
+                    self.held.add(call.index)
+                else:
+                    self.order.append(call.index)
             if call.arguments:
                 self.calls[call.index].append(call.arguments)
 
@@ -338,8 +346,10 @@ class ResponseBuilder:
         return "".join(self.text) + cut
 
     def items(self) -> list[OutputItem]:
-        keys = list(self.order)
-        if "message" not in keys and (self.message_text() or not self.calls):
+        complete = len(self.done.tool_calls) if self.done is not None else 0
+        keys = self.order + sorted(i for i in self.held if i < complete)
+        calls = [k for k in keys if isinstance(k, int)]
+        if "message" not in keys and (self.message_text() or not calls):
             keys.append("message")
         return [self._item(key) for key in keys]
 
@@ -357,11 +367,15 @@ class ResponseBuilder:
         return FunctionCallItem(self.item_id(key), call_id, name, "".join(arguments), "incomplete")
 
     def _cut_item(self) -> bool:
-        """Whether a call was cut after its name came (an incomplete item, not message text)."""
-        return self.done is not None and len(self.calls) > len(self.done.tool_calls)
+        """Whether a call was cut after its name came and streamed (an incomplete item, not
+        message text)."""
+        done = self.done
+        return done is not None and len(self.calls) > len(done.tool_calls) \
+            and len(done.tool_calls) not in self.held
 
     def _incomplete(self) -> bool:
-        return self.done is not None and self.done.finish_reason == "length"
+        """Cut off: by max_output_tokens, or by the server (a shutdown's drain timeout)."""
+        return self.done is not None and self.done.finish_reason in ("length", "aborted")
 
     def response(self, status: str | None = None) -> Response:
         done, body = self.done, self.body
@@ -375,7 +389,8 @@ class ResponseBuilder:
             self.id, self.created_at, self.model, status, self.items() if done else [],
             list(body.tools or []), body.tool_choice or "auto", body.parallel_tool_calls is not False,
             body.instructions, body.max_output_tokens, body.previous_response_id, body.temperature,
-            body.top_p, usage, IncompleteDetails("max_output_tokens") if self._incomplete() else None)
+            body.top_p, usage,
+            IncompleteDetails("max_output_tokens") if done and done.finish_reason == "length" else None)
 
     def conversation(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """What a later request continuing this one reads before its own input: the complete
@@ -421,6 +436,8 @@ class EventWriter:
         if event.text:
             await self._text("message", "output_text", event.text)
         for call in event.tool_calls:
+            if call.index in builder.held:  # announced whole once complete (finish)
+                continue
             item_id, index = builder.item_id(call.index), builder.order.index(call.index)
             if item_id not in self.streamed:
                 self.streamed[item_id] = 0
@@ -454,10 +471,12 @@ class EventWriter:
         for index, item in enumerate(response.output):
             data = msgspec.to_builtins(item)
             if isinstance(item, FunctionCallItem):
-                if item.id not in self.streamed:
+                if item.id not in self.streamed:  # a strict tool's call, held until complete
                     opened = msgspec.structs.replace(item, arguments="", status="in_progress")
                     await self.event("response.output_item.added", output_index=index,
                                      item=msgspec.to_builtins(opened))
+                    await self.event("response.function_call_arguments.delta", item_id=item.id,
+                                     output_index=index, delta=item.arguments)
                 await self.event("response.function_call_arguments.done", item_id=item.id,
                                  output_index=index, arguments=item.arguments)
             else:

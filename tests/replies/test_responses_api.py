@@ -161,3 +161,30 @@ async def test_a_call_cut_by_max_output_tokens_stays_an_incomplete_item(qwen: Sc
         assert message["content"][0]["text"] == cut_text
     streamed = "".join(d["delta"] for d in early_events if d["type"] == "response.output_text.delta")
     assert streamed == cut_text
+
+
+async def test_a_strict_tools_call_comes_whole_and_only_when_complete(qwen: ScriptedServer):
+    """Clients parse a strict tool's arguments as JSON (the OpenAI SDK's `parse` does): its call
+    is held until complete, then sent whole; cut off, its text ends the message instead."""
+    strict = {**TOOL, "strict": True}
+    qwen.say("Let me check." + CALL)
+    tokens = qwen.tokenizer.encode("Let me check." + CALL, add_special_tokens=False)
+    body = {"input": "What is the weather in Paris?", "tools": [strict]}
+    async with qwen as client:
+        data = await events(client, **body)
+        cut = await events(client, **body, max_output_tokens=len(tokens) - 6)
+    final = data[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    call = final["output"][1]
+    deltas = [d["delta"] for d in data if d["type"] == "response.function_call_arguments.delta"]
+    assert deltas == [call["arguments"]] and json.loads(call["arguments"])["city"] == "Paris"
+    announced = next(i for i, d in enumerate(data) if d["type"] == "response.output_item.added"
+                     and d["item"]["type"] == "function_call")
+    assert all(i < announced for i, d in enumerate(data) if d["type"] == "response.output_text.delta")
+    cut_final = cut[-1]["response"]
+    [message] = cut_final["output"]
+    assert cut_final["status"] == "incomplete" and message["status"] == "incomplete"
+    assert message["content"][0]["text"] == qwen.tokenizer.decode(tokens[:len(tokens) - 6])
+    assert not [d for d in cut if "function_call" in d["type"]]
+    streamed = "".join(d["delta"] for d in cut if d["type"] == "response.output_text.delta")
+    assert streamed == message["content"][0]["text"]
