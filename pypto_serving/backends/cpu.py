@@ -50,8 +50,11 @@ class CpuBackend(PortableBackend):
                       "mixed": qlinear.quant_linear_cpu_mixed}
         matmul = quantizing.get(activations, qlinear.quant_linear_cpu)
         used = activations if activations in quantizing else "none"
-        head = qlinear.quant_linear_cpu if used == "none" else qlinear.quant_linear_cpu_head
-        return QuantKernels(pack, matmul, qlinear.quant_embedding_cpu, used, head=head)
+        gather = qlinear.quant_embedding_cpu
+        if used == "none":
+            return QuantKernels(pack, matmul, gather, used, head=qlinear.quant_linear_cpu)
+        return QuantKernels(pack, matmul, gather, used, head=qlinear.quant_linear_cpu_head,
+                            head_argmax=qlinear.head_argmax_cpu)
 
     def layers(self, quantization: str, activations: str = "none") -> LayerFactory:
         """Under mixed activations the last decoder layer's linears take int16 ones: alone at

@@ -47,6 +47,13 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, k]
 
 
+def argmax_only(t: SamplingTensors) -> bool:
+    """Whether every row's token is its raw logits' argmax, and nothing else is wanted of them
+    (greedy, no mask, no penalty, no logprobs)."""
+    return (t.all_greedy and t.grammar_rows is None and t.banned is None and t.repetition is None
+            and not t.logprobs)
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (portable)."""
     return logits.argmax(dim=-1)

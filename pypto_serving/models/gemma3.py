@@ -122,6 +122,11 @@ class Gemma3ForCausalLM(CausalLM):
         # sqrt(hidden) rounded to float32, then to the model dtype, as HF has it
         return h * torch.tensor(self.arch.hidden_size**0.5).to(h.dtype)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """None under soft-capping: tanh can round two logits to one value, a tie the capped
+        logits' argmax breaks otherwise."""
+        return None if self.arch.final_logit_softcapping else super().greedy_tokens(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks), soft-capped."""
         logits = super().compute_logits(hidden)

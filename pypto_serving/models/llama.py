@@ -162,6 +162,15 @@ class CausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] (gathered over the ranks)."""
         return self.tp.logits(self._local_logits(hidden), self.arch)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's `compute_logits(hidden)` argmax (first index on ties), where the head's
+        kernels find it without computing most logits (the CPU's int8 head); else None."""
+        if self.tp.size > 1:
+            return None
+        head = self.model.embed_tokens if self.arch.tie_word_embeddings else self.lm_head
+        argmax = getattr(head, "argmax", None)
+        return argmax(hidden) if argmax is not None else None
+
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens
         if self.arch.tie_word_embeddings and isinstance(embed, QuantEmbedding):

@@ -58,6 +58,9 @@ class QuantKernels:
     # read its int8 panels at the speed of memory where float activations are bound by
     # converting the levels (qhead.c).
     head: Matmul | None = None
+    # Each row's argmax of `head`'s logits, first index on ties, found without most of them
+    # (None: not here; the call's None: not for these rows or this weight)
+    head_argmax: Callable[[torch.Tensor, PackedWeight], torch.Tensor | None] | None = None
 
     @property
     def head_matmul(self) -> Matmul:
@@ -132,6 +135,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.kernels = kernels
         self._matmul = kernels.head_matmul if head else kernels.matmul
+        self._argmax = kernels.head_argmax if head and not bias else None
         self._panel_bias: torch.Tensor | None = None
 
     def finish_loading(self) -> None:
@@ -142,6 +146,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.weight.packed, self._panel_bias)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """An lm_head's `forward(x).argmax(-1)` where its kernels find it faster; else None."""
+        return self._argmax(x, self.weight.packed) if self._argmax is not None else None
 
 
 class QuantEmbedding(nn.Module):
@@ -157,6 +165,11 @@ class QuantEmbedding(nn.Module):
 
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.head_matmul(x, self.weight.packed, None)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`as_linear(x).argmax(-1)` where the kernels find it faster; else None."""
+        argmax = self.kernels.head_argmax
+        return argmax(x, self.weight.packed) if argmax is not None else None
 
 
 @dataclass(frozen=True, slots=True)

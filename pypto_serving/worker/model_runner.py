@@ -21,7 +21,7 @@ from pypto_serving.backends.budget import KVBudget
 from pypto_serving.backends.graphs import NO_GRAPHS, GraphSpec
 from pypto_serving.backends.portable import StackRunner
 from pypto_serving.core.sampling_params import SamplingParams
-from pypto_serving.kernels.sampling import SamplerOutput, sample
+from pypto_serving.kernels.sampling import SamplerOutput, argmax_only, sample
 from pypto_serving.loader.hf import count_safetensors, load_safetensors
 from pypto_serving.messages.worker import (
     ModelConfig,
@@ -116,7 +116,7 @@ class ModelRunner:
         self.backend.idle()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.execute_with_logits(plan)[0]
+        return self._execute(plan, keep_logits=False)[0]
 
     def resolve(self, plan: StepPlan) -> StepPlan:
         """`plan` with its placeholders replaced by the tokens they stand for: what rank 0
@@ -124,9 +124,15 @@ class ModelRunner:
         seqs = [resolve_placeholders(self.seqs, s) for s in plan.seqs]
         return plan if seqs == plan.seqs else msgspec.structs.replace(plan, seqs=seqs)
 
-    @torch.inference_mode()
     def execute_with_logits(self, plan: StepPlan) -> tuple[StepResult, torch.Tensor]:
         """The step's result and the logits it sampled from ([sampled seqs, vocab], float32)."""
+        return self._execute(plan, keep_logits=True)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan, keep_logits: bool) -> tuple[StepResult, torch.Tensor]:
+        """Without `keep_logits`, a step whose tokens are all argmaxes of the raw logits takes
+        them from the head's kernels where they find them without most logits (the logits
+        returned are then empty)."""
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
         seqs = [resolve_placeholders(self.seqs, s) for s in plan.seqs]
@@ -141,15 +147,23 @@ class ModelRunner:
         tensors = sampling_tensors(sampled, self.arch.vocab_size, self.device, self.grammars) \
             if sampled and not self.tp.rank else None
         self.backend.after_step(batch.attn.all_decode)
+        tokens = None  # the sampled rows' argmaxes, from the head (greedy_tokens)
         if wants_prompt_logprobs(seqs, states):  # every row's hidden state is read
             hidden = self._hidden(batch, self.kv_caches)
             logits = self._sample_logits(batch, hidden)
             prompt = score_prompts(seqs, states, hidden, self.model.compute_logits)
         else:  # the sampled rows' only: the stack runs the last layer past its k/v for those alone
-            logits, prompt = self._logits(self._hidden(batch, self.kv_caches, batch.sample_rows)), []
+            hidden, prompt = self._hidden(batch, self.kv_caches, batch.sample_rows), []
+            if not keep_logits and tensors is not None and argmax_only(tensors):
+                tokens = self.model.greedy_tokens(hidden)
+            logits = self._logits(hidden) if tokens is None else hidden.new_empty(0, self.arch.vocab_size)
         if tensors is None:  # nothing sampled, or a rank other than 0 (it joined every collective)
             return StepResult(plan.step_id, [], [], prompt_logprobs=prompt), logits
-        out, seq_ids = sample(logits, tensors, self.backend.argmax), batch.sample_seq_ids
+        if tokens is not None:
+            out = SamplerOutput(tokens, None, None, None)
+        else:
+            out = sample(logits, tensors, self.backend.argmax)
+        seq_ids = batch.sample_seq_ids
         if any(s.num_draft for s in seqs):
             keep = verify(seqs, states, out.token_ids.tolist())
             out, sampled, seq_ids = kept(out, keep), [sampled[i] for i in keep], [seq_ids[i] for i in keep]

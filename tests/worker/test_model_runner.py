@@ -9,6 +9,7 @@ import torch
 from pypto_serving.backends.cuda import CudaBackend
 from pypto_serving.backends.graphs import GraphSpec
 from pypto_serving.core.sampling_params import SamplingParams
+from pypto_serving.kernels import cpu
 from pypto_serving.messages.worker import PLACEHOLDER, ScheduledSeq, StepPlan
 from pypto_serving.worker.kv_cache import bytes_per_block
 from pypto_serving.worker.model_runner import ModelRunner
@@ -210,3 +211,28 @@ def test_a_placeholder_token_is_the_one_sampled_for_the_sequence_in_the_step_bef
     with pytest.raises(ValueError, match="placeholder"):
         d.step([ScheduledSeq(2, [PLACEHOLDER], 0, d.alloc(1), True, reset=True, num_prompt_tokens=1,
                              sampling=SamplingParams())])
+
+
+@pytest.mark.skipif(not cpu.available() or not cpu.vnni(), reason="the greedy head needs AVX-512 VNNI")
+def test_greedy_steps_take_their_tokens_from_the_greedy_head(driver) -> None:
+    """A step whose tokens are all raw argmaxes (greedy, no penalty, mask or logprobs) takes them
+    from the head's greedy kernel without the logits (on the CPU's int8 head): the same tokens
+    as the logits' argmax, step for step; a step that wants more computes the logits."""
+    fast, _ = driver("llama", quantization="int4", activation_quantization="mixed")
+    slow, _ = driver("llama", quantization="int4", activation_quantization="mixed")
+    heads: list[int] = []
+    logits_of = fast.runner.model.compute_logits
+    fast.runner.model.compute_logits = lambda h: heads.append(h.shape[0]) or logits_of(h)
+    ids = range(1, 6)
+    plans = [[d.add(i, PROMPT[i:], len(PROMPT) - i) for i in ids] for d in (fast, slow)]
+    for _ in range(8):
+        result = fast.runner.execute(StepPlan(fast.step_id, plans[0]))
+        fast.step_id += 1
+        for seq_id, token in zip(result.seq_ids, result.token_ids, strict=True):
+            fast.tokens[seq_id].append(token)
+        slow.step(plans[1])
+        plans = [[d.next(i) for i in ids] for d in (fast, slow)]
+    assert heads == [] and fast.tokens == slow.tokens
+    wants_logprobs = fast.add(9, PROMPT, len(PROMPT), SamplingParams(logprobs=1))
+    fast.runner.execute(StepPlan(fast.step_id, [wants_logprobs]))
+    assert heads == [1]

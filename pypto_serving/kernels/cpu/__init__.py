@@ -37,6 +37,8 @@ SIGNATURES = {
     "qlinear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P],
     "qlinear_q8": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
     "qlinear_a16": [_P, _I, _I, _I, _P, _P, _P, _P],
+    "qhead_greedy": [_P, _I, _I, _I, _I, _P, _P, _P, _P],
+    "qhead_l1max": [_I, _I, _P, _P, _P],
     "qgather": [_P, _I, _I, _P, _P, _P, _I, _P],
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "silu_and_mul": [_P, _I, _I, _P],
@@ -57,8 +59,8 @@ SIGNATURES = {
 
 
 # a status (0, or -1 when out of memory) or a size
-RETURNS_INT = {"step_stack", "qlinear_q8", "qlinear_a16", "prefill_attention", "decode_scores_len",
-               "stack_layout", "moe_experts", "qdot_use_vnni"}
+RETURNS_INT = {"step_stack", "qlinear_q8", "qlinear_a16", "qhead_greedy", "prefill_attention",
+               "decode_scores_len", "stack_layout", "moe_experts", "qdot_use_vnni"}
 # the end of the compiler's output kept in the warning: where its last (often fatal) error is
 STDERR_CHARS = 4000
 

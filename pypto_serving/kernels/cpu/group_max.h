@@ -1,5 +1,6 @@
-/* The largest |x| of a group of 32 activations, shared by the kernels that quantize them
- * (qdot.c to int8, qhead.c to int16), and the float lane sum they and decoder.c take. */
+/* The largest |x| of a group of 32 activations and their packing to bytes, shared by the
+ * kernels that quantize them (qdot.c to int8, qhead.c to int16 and int8), and the float lane
+ * sum they and decoder.c take. */
 #ifndef PYPTO_GROUP_MAX_H
 #define PYPTO_GROUP_MAX_H
 #include <immintrin.h>
@@ -25,6 +26,13 @@ static inline __attribute__((always_inline)) float group_max(const float *p, __m
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     float amax = _mm_cvtss_f32(m4);
     return amax < 1e-30f ? 0.0f : amax;
+}
+
+/* 32 int32 (each within int8's range) -> 32 int8 in order. */
+static inline __attribute__((always_inline)) __m256i pack32(__m256i i[4]) {
+    __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    /* packs interleaves 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
+    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 #endif

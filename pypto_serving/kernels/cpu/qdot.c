@@ -138,12 +138,6 @@ INLINE int32_t hsum8(__m256i t) {
     return _mm_cvtsi128_si32(t4);
 }
 
-INLINE __m256i pack32(__m256i i[4]) {
-    __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    /* packs interleaves 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
-    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
 /* One group of a row (v: its 32 values, amax: their largest |x|) -> xq, its int8 plane; with lo
  * also the second plane, the rounding residual x - d * xq in steps of d / LO_STEPS (d = amax /
  * 127). Returns sum(xq); *lo_sum gets sum(lo). */

@@ -17,6 +17,8 @@
  * four such sums are folded with vphaddd and put back in row order at its end.
  */
 #include <immintrin.h>
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -262,4 +264,269 @@ int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, cons
         }
     }
     return 0;
+}
+
+/* ---- Greedy rows: int8 activations find the candidates, the int16 logits decide ----
+ *
+ * A row that wants only its argmax (greedy, nothing processing its logits) need not have
+ * every int16 logit. With int8 activations (d8 = max|x| / 127 per group) vpdpbusd takes the
+ * int8 levels as they are, one instruction per quad and row with the row's 4 inputs as its
+ * broadcast memory operand (the int16 tiles take two and a widening), once the levels are
+ * unsigned: w + 128 (the sign bit flipped), which adds 128 * sum(xq) to a group's sum, taken
+ * off again (the dot stays exact). Those logits L8 are off the int16 head's L16 by at most
+ *     |L8 - f| + |L16 - f| <= sum over groups g of (d8_g + d16_g) / 2 * sum_{k in g} |w_k|
+ *                          <= c * l1max,  c = sum_g max|x_g| * (1/254 + 1/65534)
+ * (f the float product; l1max the output's largest group sum of |w|, `qhead_l1max`), a bound
+ * widened by 0.1% a group for the float rounding of both. So the int16 argmax is among the
+ * outputs whose L8 + c * l1max reaches the row's floor, max(L8 - c * l1max): a few per row
+ * (SmolLM2: a median of 11 of 49152 over 700 positions of text, at most 536; Qwen2.5-Coder-0.5B
+ * 3 and 122 of 151936). No L8 is stored: each tile's epilogue raises its thread's floor for
+ * the row and keeps the outputs that reach it (an output below a floor is below the final
+ * one: floors only rise); the rows' lists are merged under the final floor, and the int16
+ * logits of the panels that hold what is left (the batch-1 kernel's, the same bit for bit as
+ * a batch's) give exactly the argmax, first index on ties, that qlinear_a16's logits give
+ * torch.argmax. */
+
+#define GREEDY_SLACK_PER_GROUP 1e-3f
+#define GREEDY_MAX_ABS 1e15f /* larger inputs (or NaN, inf): the caller takes the whole path */
+#define GREEDY_KEPT 1024     /* outputs a thread keeps for a row before it drops those below its floor */
+
+/* x [k] -> xq [k] (round(x / d), nearest even, as quantize_row16 rounds), d [k / 32] and
+ * shift [k / 32] = 128 * sum of the group's xq; returns sum over groups of max|x|. */
+static float quantize_row8(const float *x, int64_t k, int8_t *xq, float *d, int32_t *shift) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m256 v[4];
+        float amax = group_max(x + g * GROUP, v);
+        d[g] = amax / 127.0f;
+        total += amax;
+        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i i[4];
+        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+        _mm256_storeu_si256((__m256i *)(xq + g * GROUP), pack32(i));
+        int32_t sum = 0;
+        for (int j = 0; j < GROUP; j++) sum += xq[g * GROUP + j];
+        shift[g] = 128 * sum;
+    }
+    return total;
+}
+
+/* One thread's candidates for one row: its floor and the outputs that reached it. */
+typedef struct {
+    float floor;
+    int32_t count;
+    int32_t overflow;
+    int32_t index[GREEDY_KEPT];
+    float upper[GREEDY_KEPT];
+} Kept;
+
+/* Keeps the entries of k at or above its floor. */
+static void keep_reaching(Kept *k) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < k->count; i++)
+        if (k->upper[i] >= k->floor) k->index[n] = k->index[i], k->upper[n] = k->upper[i], n++;
+    k->count = n;
+}
+
+/* A row's 16 int8 logits of the panel at output n0 (`width` of them real): the floor rises to
+ * their largest lower bound, and those whose upper bound reaches it are kept. */
+VNNI_INLINE void keep_candidates(Kept *k, __m512 l8, float c, const float *l1, int64_t n0, int width) {
+    if (k->overflow) return;
+    const __mmask16 real = (__mmask16)((1u << width) - 1u);
+    const __m512 cv = _mm512_set1_ps(c), bound = _mm512_mul_ps(cv, _mm512_maskz_loadu_ps(real, l1));
+    const __m512 lower = _mm512_mask_blend_ps(real, _mm512_set1_ps(-INFINITY), _mm512_sub_ps(l8, bound));
+    const float low = _mm512_reduce_max_ps(lower);
+    if (low > k->floor) k->floor = low;
+    const __m512 upper = _mm512_add_ps(l8, bound);
+    __mmask16 reach = _mm512_mask_cmp_ps_mask(real, upper, _mm512_set1_ps(k->floor), _CMP_GE_OQ);
+    if (!reach) return;
+    float u[16];
+    _mm512_storeu_ps(u, upper);
+    for (; reach; reach &= reach - 1) {
+        int i = __builtin_ctz(reach);
+        if (k->count == GREEDY_KEPT) {
+            keep_reaching(k);
+            if (k->count == GREEDY_KEPT) {
+                k->overflow = 1;
+                return;
+            }
+        }
+        k->index[k->count] = (int32_t)(n0 + i), k->upper[k->count] = u[i], k->count++;
+    }
+}
+
+/* mr rows of xq against all 16 rows of the int8 panel w (outputs n0 .. n0 + width - 1); each
+ * row's 16 int8 logits go to its candidates. The levels go in as unsigned bytes, w + 128 (a
+ * flipped sign bit), so that each row's 4 inputs are vpdpbusd's broadcast memory operand. */
+VNNI_INLINE void tile_i8_vnni(const int8_t *xq, const float *d, const int32_t *shift, const float *c, const int mr,
+                              const int8_t *w, const uint16_t *scale, const float *l1, int64_t n0, int width,
+                              int64_t k_len, Kept *kept, const char *next) {
+    const int64_t groups = k_len / GROUP;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[MR_VNNI];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i t[MR_VNNI];
+        for (int r = 0; r < mr; r++) t[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < QUADS; j++) {
+            int64_t k = g * GROUP + 4 * j;
+            /* lane r: row r's 4 levels */
+            __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + k * NB)), flip);
+            for (int r = 0; r < mr; r++) {
+                int32_t v;
+                memcpy(&v, xq + r * k_len + k, 4);
+                t[r] = _mm512_dpbusd_epi32(t[r], wu, _mm512_set1_epi32(v));
+            }
+        }
+        prefetch_group(next, g, QUADS);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * NB)));
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t[r], _mm512_set1_epi32(shift[r * groups + g]))),
+                                     _mm512_mul_ps(_mm512_set1_ps(d[r * groups + g]), s), acc[r]);
+    }
+    for (int r = 0; r < mr; r++) keep_candidates(kept + r, acc[r], c[r], l1, n0, width);
+}
+
+__attribute__((noinline, target(VNNI_TARGET))) static void panel_i8_vnni(const int8_t *xq, const float *d,
+                                                                         const int32_t *shift, const float *c,
+                                                                         int64_t m, const int8_t *w,
+                                                                         const uint16_t *scale, const float *l1,
+                                                                         int64_t n0, int width, int64_t k, Kept *kept,
+                                                                         const char *next) {
+    const int64_t groups = k / GROUP;
+    int64_t m0 = 0;
+#define TILE(mr)                                                                                                     \
+    tile_i8_vnni(xq + m0 * k, d + m0 * groups, shift + m0 * groups, c + m0, mr, w, scale, l1, n0, width, k, kept + m0, \
+                 next)
+    for (; m0 + MR_VNNI <= m; m0 += MR_VNNI, next = 0) TILE(MR_VNNI);
+    if (m - m0 >= 4) {
+        TILE(4);
+        m0 += 4, next = 0;
+    }
+    if (m - m0 >= 2) {
+        TILE(2);
+        m0 += 2, next = 0;
+    }
+    if (m0 < m) TILE(1);
+#undef TILE
+}
+
+static int compare_index(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Row r's argmax: the int16 logits of each panel that holds one of its candidates (kept by
+ * the threads, lists `threads` apart). Returns -1 when a list overflowed. */
+static int64_t greedy_row(const Kept *kept, int threads, int64_t m, int64_t n, const int16_t *xq, const float *d16,
+                          const uint8_t *q, const uint16_t *scale, int64_t k, int32_t *panels, int64_t *computed) {
+    const int64_t groups = k / GROUP, qbytes = k * NB;
+    float floor = -INFINITY;
+    for (int t = 0; t < threads; t++) {
+        if (kept[t * m].overflow) return -1;
+        floor = kept[t * m].floor > floor ? kept[t * m].floor : floor;
+    }
+    int64_t count = 0;
+    for (int t = 0; t < threads; t++)
+        for (int32_t i = 0; i < kept[t * m].count; i++)
+            if (kept[t * m].upper[i] >= floor) panels[count++] = kept[t * m].index[i] / NB;
+    qsort(panels, (size_t)count, sizeof *panels, compare_index);
+    int64_t best = -1;
+    float best_v = -INFINITY;
+    for (int64_t i = 0; i < count; i++) {
+        if (i && panels[i] == panels[i - 1]) continue;
+        const int64_t nb = panels[i];
+        const int64_t width = n - nb * NB < NB ? n - nb * NB : NB;
+        float y[NB];
+        row_panel(xq, d16, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB, 0, k, y);
+        *computed += 1;
+        for (int64_t j = 0; j < width; j++) /* strictly greater: the first index of a tie stays */
+            if (y[j] > best_v || best < 0) best_v = y[j], best = nb * NB + j;
+    }
+    return best;
+}
+
+static __thread void *greedy_buf;
+static __thread size_t greedy_len;
+
+/* out [m] = the argmax over the first n outputs of qlinear_a16(x [m, k], q, scale) per row, the
+ * int8 levels' panels (bits 8; l1max [n_blocks * 16]: qhead_l1max). Returns the number of
+ * panels whose int16 logits it computed (>= m), -1 when scratch memory cannot be had, -2 when
+ * the CPU has no VNNI tiles, a row holds a value that is not finite or beyond GREEDY_MAX_ABS,
+ * or a row had too many candidates (the caller then takes qlinear_a16 and its argmax). */
+int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int64_t n, const uint8_t *q,
+                     const uint16_t *scale, const float *l1max, int64_t *out) {
+    if (!use_vnni) return -2;
+    for (int64_t i = 0; i < m * k; i++)
+        if (!(fabsf(x[i]) <= GREEDY_MAX_ABS)) return -2;
+    const int64_t groups = k / GROUP, qbytes = k * NB;
+    const int threads = omp_get_max_threads();
+    size_t kept_bytes = (size_t)threads * m * sizeof(Kept);
+    size_t need = kept_bytes + (size_t)m * groups * 3 * sizeof(float) + (size_t)m * sizeof(float) +
+                  (size_t)m * k * (sizeof(int16_t) + 1) + (size_t)threads * threads * GREEDY_KEPT * sizeof(int32_t) +
+                  256;
+    if (greedy_len < need) {
+        free(greedy_buf);
+        greedy_buf = malloc(need);
+        greedy_len = greedy_buf ? need : 0;
+    }
+    if (!greedy_buf) return -1;
+    Kept *kept = greedy_buf; /* [thread][row] */
+    float *d8 = (float *)((char *)greedy_buf + kept_bytes), *d16 = d8 + m * groups, *c = d16 + m * groups;
+    int32_t *shift = (int32_t *)(c + m), *panels = shift + m * groups; /* [thread][every thread's kept] */
+    int16_t *xq = (int16_t *)(panels + threads * threads * GREEDY_KEPT);
+    int8_t *x8 = (int8_t *)(xq + m * k);
+    const float widen = (1.0f / 254.0f + 1.0f / 65534.0f) * (1.0f + GREEDY_SLACK_PER_GROUP * (float)groups);
+    for (int64_t i = 0; i < threads * m; i++) kept[i].floor = -INFINITY, kept[i].count = 0, kept[i].overflow = 0;
+    int64_t computed = 0, failed = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : computed, failed)
+    {
+        const int me = omp_get_thread_num();
+        Kept *mine = kept + (int64_t)me * m;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            c[i] = quantize_row8(x + i * k, k, x8 + i * k, d8 + i * groups, shift + i * groups) * widen;
+            quantize_row16(x + i * k, k, xq + i * k, d16 + i * groups);
+        }
+#pragma omp for schedule(guided)
+        for (int64_t nb = 0; nb < n_blocks; nb++) {
+            const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
+            const int width = n - nb * NB < NB ? (int)(n - nb * NB) : NB;
+            if (width > 0)
+                panel_i8_vnni(x8, d8, shift, c, m, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB,
+                              l1max + nb * NB, nb * NB, width, k, mine, next);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < m; i++) {
+            out[i] = greedy_row(kept + i, threads, m, n, xq + i * k, d16 + i * groups, q, scale, k,
+                                panels + (int64_t)me * threads * GREEDY_KEPT, &computed);
+            failed += out[i] < 0;
+        }
+    }
+    return failed ? -2 : computed;
+}
+
+/* l1max [n_blocks * 16]: each output's largest sum of |w| over a group of 32 (int8 panels). */
+void qhead_l1max(int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *scale, float *l1max) {
+    const int64_t groups = k / GROUP, qbytes = k * NB;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < n_blocks; nb++) {
+        const int8_t *w = (const int8_t *)q + nb * qbytes;
+        float best[NB] = {0};
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t sum[NB] = {0};
+            for (int j = 0; j < QUADS; j++)
+                for (int r = 0; r < NB; r++)
+                    for (int i = 0; i < 4; i++) sum[r] += abs(w[(g * GROUP + 4 * j) * NB + 4 * r + i]);
+            float s[NB];
+            _mm256_storeu_ps(s, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + nb * groups * NB + g * NB))));
+            _mm256_storeu_ps(s + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + nb * groups * NB + g * NB + 8))));
+            for (int r = 0; r < NB; r++) {
+                float v = (float)sum[r] * s[r];
+                best[r] = v > best[r] ? v : best[r];
+            }
+        }
+        memcpy(l1max + nb * NB, best, sizeof best);
+    }
 }

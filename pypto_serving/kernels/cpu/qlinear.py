@@ -72,6 +72,32 @@ def quant_linear_cpu_head(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor |
     return _linear(INT16_HEAD if w.bits == 8 else ACTIVATION_PLANES["int16"], x, w, bias)
 
 
+_L1MAX: weakref.WeakKeyDictionary[PackedWeight, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def head_argmax_cpu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
+    """Each row's argmax of `quant_linear_cpu_head(x, w)` (first index on ties), from the
+    int16 logits of a few candidate panels that int8-activation logits and a bound on their
+    error pick (qhead.c, `qhead_greedy`); None where that does not apply (not int8 panels, no
+    AVX-512 VNNI, a row not finite): the caller computes the logits."""
+    if w.bits != 8 or x.dim() != 2 or not x.shape[0] or x.dtype != torch.float32 \
+            or not library().qdot_use_vnni(-1):
+        return None
+    x = x.contiguous()
+    l1max = _L1MAX.get(w)
+    if l1max is None:
+        k, n_blocks, q, scale, _, _ = weight_args(w)
+        l1max = _L1MAX[w] = torch.empty(n_blocks.value * PANEL)
+        library().qhead_l1max(k, n_blocks, q, scale, l1max.data_ptr())
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    k, n_blocks, q, scale, _, _ = weight_args(w)
+    status = library().qhead_greedy(x.data_ptr(), x.shape[0], k, n_blocks, w.n, q, scale, l1max.data_ptr(),
+                                    out.data_ptr())
+    if status == -1:
+        raise MemoryError(f"greedy head: no memory for {x.shape[0]} rows")
+    return out if status >= 0 else None
+
+
 def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """`planes`: one of ACTIVATION_PLANES, or INT16_HEAD (one int16 plane, int8 weights)."""
     if x.dim() != 2:
