@@ -43,15 +43,31 @@ def test_near_ties_and_ties_go_as_the_int16_logits_go() -> None:
 
 
 @needs_vnni
-def test_it_steps_aside_for_values_it_cannot_bound_or_too_many_candidates() -> None:
+def test_it_steps_aside_for_values_it_cannot_bound() -> None:
     w, _ = pack(torch.randn(300, 64) * 0.05, 8)
     for bad in (float("nan"), float("inf"), 1e20):
         x = torch.randn(2, 64)
         x[1, 5] = bad
         assert qlinear.head_argmax_cpu(x, w) is None
-    same, _ = pack(torch.randn(1, 64).expand(5000, 64).contiguous(), 8)  # 5000 ties a row
-    assert qlinear.head_argmax_cpu(torch.randn(3, 64), same) is None
     assert qlinear.head_argmax_cpu(torch.randn(2, 64), pack(torch.randn(64, 64), 4)[0]) is None  # int4
+
+
+@needs_vnni
+def test_rows_with_too_many_candidates_take_the_whole_head() -> None:
+    """A row whose logits are flat within the bound keeps more candidates than it may (an
+    eighth of the vocabulary): its logits are computed; the other rows still take the kernel."""
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(12000, 64, generator=g) * 0.01
+    weights[:3000] = weights[7]  # 3000 equal rows: a row that favours them ties 3000 ways
+    w, _ = pack(weights, 8)
+    x = torch.stack([weights[7] * 400, -weights[7] * 400])  # the 3000 first, and last
+    assert torch.equal(qlinear.head_argmax_cpu(x, w), head_argmax(x, w))
+    assert qlinear.head_argmax_cpu(x[:1], w).item() == 0
+    out = torch.empty(2, dtype=torch.int64)  # the kernel itself: the first row is left to the caller
+    k, n_blocks, q, scale, _, _ = qlinear.weight_args(w)
+    cpu.library().qhead_greedy(x.data_ptr(), 2, k, n_blocks, w.n, q, scale, qlinear._L1MAX[w].data_ptr(),
+                               out.data_ptr())
+    assert out[0] == -1 and out[1] == head_argmax(x[1:], w)
 
 
 @needs_vnni

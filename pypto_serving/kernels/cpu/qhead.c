@@ -282,14 +282,16 @@ int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, cons
  * (SmolLM2: a median of 11 of 49152 over 700 positions of text, at most 536; Qwen2.5-Coder-0.5B
  * 3 and 122 of 151936). No L8 is stored: each tile's epilogue raises its thread's floor for
  * the row and keeps the outputs that reach it (an output below a floor is below the final
- * one: floors only rise); the rows' lists are merged under the final floor, and the int16
- * logits of the panels that hold what is left (the batch-1 kernel's, the same bit for bit as
- * a batch's) give exactly the argmax, first index on ties, that qlinear_a16's logits give
- * torch.argmax. */
+ * one: floors only rise; a list that fills doubles), the rows' lists are merged under the
+ * final floor, and the int16 logits of the panels that hold what is left (the batch-1
+ * kernel's, the same bit for bit as a batch's) give exactly the argmax, first index on ties,
+ * that qlinear_a16's logits give torch.argmax. A row whose logits are flat within the bound
+ * (more than a fifth of the outputs left) is left to the caller. */
 
 #define GREEDY_SLACK_PER_GROUP 1e-3f
 #define GREEDY_MAX_ABS 1e15f /* larger inputs (or NaN, inf): the caller takes the whole path */
-#define GREEDY_KEPT 1024     /* outputs a thread keeps for a row before it drops those below its floor */
+#define GREEDY_KEPT 1024 /* room for a thread's outputs of a row, doubled when those above its floor fill it */
+#define GREEDY_MAX_SHARE 5 /* a row with more than n / 5 candidates takes the int16 head (its logits) */
 
 /* x [k] -> xq [k] (round(x / d), nearest even, as quantize_row16 rounds), d [k / 32] and
  * shift [k / 32] = 128 * sum of the group's xq; returns sum over groups of max|x|. */
@@ -314,11 +316,27 @@ static float quantize_row8(const float *x, int64_t k, int8_t *xq, float *d, int3
 /* One thread's candidates for one row: its floor and the outputs that reached it. */
 typedef struct {
     float floor;
-    int32_t count;
-    int32_t overflow;
-    int32_t index[GREEDY_KEPT];
-    float upper[GREEDY_KEPT];
+    int32_t count, capacity, overflow, owned; /* owned: index and upper were grown (malloc) */
+    int32_t *index;
+    float *upper;
 } Kept;
+
+/* Twice the room, or overflow set when it cannot be had. */
+static void grow(Kept *k) {
+    int32_t *index = malloc(2 * (size_t)k->capacity * (sizeof(int32_t) + sizeof(float)));
+    if (!index) {
+        k->overflow = 1;
+        return;
+    }
+    float *upper = (float *)(index + 2 * (size_t)k->capacity);
+    memcpy(index, k->index, (size_t)k->count * sizeof *index);
+    memcpy(upper, k->upper, (size_t)k->count * sizeof *upper);
+    if (k->owned) free(k->index);
+    k->index = index;
+    k->upper = upper;
+    k->capacity *= 2;
+    k->owned = 1;
+}
 
 /* Keeps the entries of k at or above its floor. */
 static void keep_reaching(Kept *k) {
@@ -344,12 +362,10 @@ VNNI_INLINE void keep_candidates(Kept *k, __m512 l8, float c, const float *l1, i
     _mm512_storeu_ps(u, upper);
     for (; reach; reach &= reach - 1) {
         int i = __builtin_ctz(reach);
-        if (k->count == GREEDY_KEPT) {
+        if (k->count == k->capacity) {
             keep_reaching(k);
-            if (k->count == GREEDY_KEPT) {
-                k->overflow = 1;
-                return;
-            }
+            if (k->count > k->capacity / 2) grow(k);
+            if (k->overflow) return;
         }
         k->index[k->count] = (int32_t)(n0 + i), k->upper[k->count] = u[i], k->count++;
     }
@@ -418,7 +434,8 @@ static int compare_index(const void *a, const void *b) {
 }
 
 /* Row r's argmax: the int16 logits of each panel that holds one of its candidates (kept by
- * the threads, lists `threads` apart). Returns -1 when a list overflowed. */
+ * the threads, lists m apart). Returns -1 when a list could not grow, or for more than
+ * n / GREEDY_MAX_SHARE candidates: logits that flat cost less from the int16 head. */
 static int64_t greedy_row(const Kept *kept, int threads, int64_t m, int64_t n, const int16_t *xq, const float *d16,
                           const uint8_t *q, const uint16_t *scale, int64_t k, int32_t *panels, int64_t *computed) {
     const int64_t groups = k / GROUP, qbytes = k * NB;
@@ -430,7 +447,10 @@ static int64_t greedy_row(const Kept *kept, int threads, int64_t m, int64_t n, c
     int64_t count = 0;
     for (int t = 0; t < threads; t++)
         for (int32_t i = 0; i < kept[t * m].count; i++)
-            if (kept[t * m].upper[i] >= floor) panels[count++] = kept[t * m].index[i] / NB;
+            if (kept[t * m].upper[i] >= floor) {
+                if (count == n / GREEDY_MAX_SHARE) return -1; /* flat: the int16 head is cheaper */
+                panels[count++] = kept[t * m].index[i] / NB;
+            }
     qsort(panels, (size_t)count, sizeof *panels, compare_index);
     int64_t best = -1;
     float best_v = -INFINITY;
@@ -451,10 +471,11 @@ static __thread void *greedy_buf;
 static __thread size_t greedy_len;
 
 /* out [m] = the argmax over the first n outputs of qlinear_a16(x [m, k], q, scale) per row, the
- * int8 levels' panels (bits 8; l1max [n_blocks * 16]: qhead_l1max). Returns the number of
- * panels whose int16 logits it computed (>= m), -1 when scratch memory cannot be had, -2 when
- * the CPU has no VNNI tiles, a row holds a value that is not finite or beyond GREEDY_MAX_ABS,
- * or a row had too many candidates (the caller then takes qlinear_a16 and its argmax). */
+ * int8 levels' panels (bits 8; l1max [n_blocks * 16]: qhead_l1max), or -1 for a row with too
+ * many candidates (its logits are flat within the bound: the caller computes them). Returns
+ * the number of panels whose int16 logits it computed, -1 when scratch memory cannot be had,
+ * -2 when the CPU has no VNNI tiles or a row holds a value that is not finite or beyond
+ * GREEDY_MAX_ABS (the caller then takes qlinear_a16 and its argmax). */
 int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int64_t n, const uint8_t *q,
                      const uint16_t *scale, const float *l1max, int64_t *out) {
     if (!use_vnni) return -2;
@@ -462,10 +483,10 @@ int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int
         if (!(fabsf(x[i]) <= GREEDY_MAX_ABS)) return -2;
     const int64_t groups = k / GROUP, qbytes = k * NB;
     const int threads = omp_get_max_threads();
-    size_t kept_bytes = (size_t)threads * m * sizeof(Kept);
-    size_t need = kept_bytes + (size_t)m * groups * 3 * sizeof(float) + (size_t)m * sizeof(float) +
-                  (size_t)m * k * (sizeof(int16_t) + 1) + (size_t)threads * threads * GREEDY_KEPT * sizeof(int32_t) +
-                  256;
+    const int64_t capacity = GREEDY_KEPT, lists = (int64_t)threads * m, most = n / GREEDY_MAX_SHARE + 1;
+    size_t need = lists * (sizeof(Kept) + capacity * (sizeof(int32_t) + sizeof(float))) +
+                  (size_t)m * groups * 3 * sizeof(float) + (size_t)m * sizeof(float) + (size_t)m * k * (sizeof(int16_t) + 1) +
+                  (size_t)threads * most * sizeof(int32_t) + 256;
     if (greedy_len < need) {
         free(greedy_buf);
         greedy_buf = malloc(need);
@@ -473,14 +494,17 @@ int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int
     }
     if (!greedy_buf) return -1;
     Kept *kept = greedy_buf; /* [thread][row] */
-    float *d8 = (float *)((char *)greedy_buf + kept_bytes), *d16 = d8 + m * groups, *c = d16 + m * groups;
-    int32_t *shift = (int32_t *)(c + m), *panels = shift + m * groups; /* [thread][every thread's kept] */
-    int16_t *xq = (int16_t *)(panels + threads * threads * GREEDY_KEPT);
+    int32_t *index = (int32_t *)(kept + lists);
+    float *upper = (float *)(index + lists * capacity);
+    float *d8 = upper + lists * capacity, *d16 = d8 + m * groups, *c = d16 + m * groups;
+    int32_t *shift = (int32_t *)(c + m), *panels = shift + m * groups; /* [thread][most] */
+    int16_t *xq = (int16_t *)(panels + threads * most);
     int8_t *x8 = (int8_t *)(xq + m * k);
+    for (int64_t i = 0; i < lists; i++)
+        kept[i] = (Kept){-INFINITY, 0, (int32_t)capacity, 0, 0, index + i * capacity, upper + i * capacity};
     const float widen = (1.0f / 254.0f + 1.0f / 65534.0f) * (1.0f + GREEDY_SLACK_PER_GROUP * (float)groups);
-    for (int64_t i = 0; i < threads * m; i++) kept[i].floor = -INFINITY, kept[i].count = 0, kept[i].overflow = 0;
-    int64_t computed = 0, failed = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : computed, failed)
+    int64_t computed = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : computed)
     {
         const int me = omp_get_thread_num();
         Kept *mine = kept + (int64_t)me * m;
@@ -498,13 +522,13 @@ int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int
                               l1max + nb * NB, nb * NB, width, k, mine, next);
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < m; i++) {
+        for (int64_t i = 0; i < m; i++)
             out[i] = greedy_row(kept + i, threads, m, n, xq + i * k, d16 + i * groups, q, scale, k,
-                                panels + (int64_t)me * threads * GREEDY_KEPT, &computed);
-            failed += out[i] < 0;
-        }
+                                panels + (int64_t)me * most, &computed);
     }
-    return failed ? -2 : computed;
+    for (int64_t i = 0; i < lists; i++)
+        if (kept[i].owned) free(kept[i].index);
+    return computed;
 }
 
 /* l1max [n_blocks * 16]: each output's largest sum of |w| over a group of 32 (int8 panels). */

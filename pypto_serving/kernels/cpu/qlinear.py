@@ -78,8 +78,9 @@ _L1MAX: weakref.WeakKeyDictionary[PackedWeight, torch.Tensor] = weakref.WeakKeyD
 def head_argmax_cpu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
     """Each row's argmax of `quant_linear_cpu_head(x, w)` (first index on ties), from the
     int16 logits of a few candidate panels that int8-activation logits and a bound on their
-    error pick (qhead.c, `qhead_greedy`); None where that does not apply (not int8 panels, no
-    AVX-512 VNNI, a row not finite): the caller computes the logits."""
+    error pick (qhead.c, `qhead_greedy`; a row with too many candidates takes the whole int16
+    head); None where that does not apply (not int8 panels, no AVX-512 VNNI, a row not
+    finite): the caller computes the logits."""
     if w.bits != 8 or x.dim() != 2 or not x.shape[0] or x.dtype != torch.float32 \
             or not library().qdot_use_vnni(-1):
         return None
@@ -95,7 +96,12 @@ def head_argmax_cpu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
                                     out.data_ptr())
     if status == -1:
         raise MemoryError(f"greedy head: no memory for {x.shape[0]} rows")
-    return out if status >= 0 else None
+    if status < 0:
+        return None
+    flat = out < 0  # rows with too many candidates: their logits are needed after all
+    if flat.any():
+        out[flat] = quant_linear_cpu_head(x[flat], w).argmax(-1)
+    return out
 
 
 def _linear(planes: int, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
