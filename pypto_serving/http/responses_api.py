@@ -464,7 +464,7 @@ class EventWriter:
         if text:
             self.streamed[item_id] += len(text)
             await self.event(f"response.{kind}.delta", item_id=item_id, output_index=index,
-                             content_index=0, delta=text)
+                             content_index=0, delta=text, **_no_logprobs(kind))
 
     async def finish(self) -> None:
         response = self.builder.response()
@@ -486,12 +486,18 @@ class EventWriter:
                 # what was not streamed: a cut call's text, or an empty message's announcement
                 await self._text(key, kind, text[self.streamed.get(item.id, 0):], index)
                 await self.event(f"response.{kind}.done", item_id=item.id, output_index=index,
-                                 content_index=0, text=text)
+                                 content_index=0, text=text, **_no_logprobs(kind))
                 await self.event("response.content_part.done", item_id=item.id, output_index=index,
                                  content_index=0, part=data["content"][0])
             await self.event("response.output_item.done", output_index=index, item=data)
         # response.completed even when cut off (its status says so): the SDKs wait for it
         await self.event("response.completed", response=msgspec.to_builtins(response))
+
+
+def _no_logprobs(kind: str) -> dict[str, list]:
+    """The output text events' `logprobs` (a required field of OpenAI's; empty: the
+    `message.output_text.logprobs` include is refused)."""
+    return {"logprobs": []} if kind == "output_text" else {}
 
 
 # -- the endpoint ------------------------------------------------------------------------------

@@ -61,6 +61,8 @@ async def test_the_stream_carries_the_same_items(qwen: ScriptedServer):
     text = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
     thought = "".join(d["delta"] for d in data if d["type"] == "response.reasoning_text.delta")
     assert text == final["output"][1]["content"][0]["text"] == "It is sunny."
+    texts = [d for d in data if d["type"] in ("response.output_text.delta", "response.output_text.done")]
+    assert texts and all(d["logprobs"] == [] for d in texts)  # required by OpenAI's event types
     assert thought == final["output"][0]["content"][0]["text"]
     for d in data:  # every item event names the index the item has in the final output
         if "item_id" in d:
