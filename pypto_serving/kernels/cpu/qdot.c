@@ -160,14 +160,18 @@ INLINE int32_t quantize_group(const __m256 v[4], float amax, int8_t *xq, int8_t 
     return hsum8(t);
 }
 
-/* Row r of x -> xq [k], d [k / 32], sx [k / 32]; with lo (int16 activations) also the second
- * plane, and d becomes its step d / LO_STEPS. */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo) {
+/* Row r of x -> xq [k], d [k / 32], sx [k / 32], shift [k / 32] (128 * sum(xq), for the VNNI
+ * tiles' unsigned int8 levels); with lo (int16 activations) also the second plane, its
+ * lo_shift, and d becomes its step d / LO_STEPS. */
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo, int32_t *shift,
+                         int32_t *lo_shift) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         __m256 v[4];
         float amax = group_max(x + g * GROUP, v);
         d[g] = amax / 127.0f;
         int32_t lo_sum = 0, sum = quantize_group(v, amax, xq + g * GROUP, lo ? lo + g * GROUP : 0, &lo_sum);
+        shift[g] = 128 * sum;
+        if (lo) lo_shift[g] = 128 * lo_sum;
         /* The zero term takes the sum of the quantized inputs, d * sum(xq): the group's result is
          * then exactly the dot product of the quantized row with the dequantized weights, whose
          * errors partly cancel; the float sum would pair an exact correction with a quantized
@@ -195,7 +199,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float 
 #define WIDE_WORDS(groups) (((groups) + 63) / 64) /* a row's wide groups: one bit each */
 INLINE int is_wide(const uint64_t *wide, int64_t g) { return (int)((wide[g >> 6] >> (g & 63)) & 1); }
 static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo,
-                               uint64_t *wide) {
+                               uint64_t *wide, int32_t *shift, int32_t *lo_shift) {
     int64_t groups = k / GROUP;
     memset(wide, 0, WIDE_WORDS(groups) * sizeof(uint64_t));
     __m256 energy = _mm256_setzero_ps();
@@ -213,6 +217,8 @@ static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, 
         const int is_wide = d[g] * d[g] > limit;
         wide[g >> 6] |= (uint64_t)is_wide << (g & 63);
         int32_t lo_sum = 0, sum = quantize_group(v, amax, xq + g * GROUP, is_wide ? lo + g * GROUP : 0, &lo_sum);
+        shift[g] = 128 * sum;
+        lo_shift[g] = 128 * lo_sum;
         sx[g] = is_wide ? d[g] / LO_STEPS * (float)(LO_STEPS * sum + lo_sum) : d[g] * (float)sum;
     }
 }
@@ -220,6 +226,7 @@ static void quantize_row_mixed(const float *x, int64_t k, int8_t *xq, float *d, 
 typedef struct {
     int8_t *q;
     float *d, *sx;
+    int32_t *shift, *lo_shift; /* 128 * each group's sum of q (and of lo): tile_vnni's int8 levels */
     int8_t *lo;    /* the second plane of int16 or mixed activations, or NULL */
     uint64_t *wide; /* mixed activations: [m][WIDE_WORDS(k / 32)], a set bit where a group has its
                      * second plane; or NULL */
@@ -231,19 +238,21 @@ static __thread size_t act_len;
 /* Room for m quantized rows of k in a per-thread buffer (reused across calls), or .q NULL when
  * out of memory. */
 static Rows rows_buffer(int64_t m, int64_t k, int planes) {
-    size_t need = (size_t)(planes == 1 ? 1 : 2) * m * k + 2 * (size_t)m * (k / GROUP) * sizeof(float) +
+    size_t need = (size_t)(planes == 1 ? 1 : 2) * m * k + 4 * (size_t)m * (k / GROUP) * sizeof(float) +
                   (size_t)m * WIDE_WORDS(k / GROUP) * sizeof(uint64_t) + 64;
     if (act_len < need) {
         free(act_buf);
         act_buf = malloc(need);
         act_len = act_buf ? need : 0;
     }
-    Rows r = {0, 0, 0, 0, 0};
+    Rows r = {0};
     if (!act_buf) return r;
     r.wide = planes == 3 ? act_buf : 0; /* first: 8-byte aligned */
     r.d = (float *)((uint64_t *)act_buf + (planes == 3 ? m * WIDE_WORDS(k / GROUP) : 0));
     r.sx = r.d + m * (k / GROUP);
-    r.q = (int8_t *)(r.sx + m * (k / GROUP));
+    r.shift = (int32_t *)(r.sx + m * (k / GROUP));
+    r.lo_shift = r.shift + m * (k / GROUP);
+    r.q = (int8_t *)(r.lo_shift + m * (k / GROUP));
     r.lo = planes >= 2 ? r.q + m * k : 0;
     return r;
 }
@@ -499,8 +508,9 @@ INLINE const float *sums_at(const float *lo, int64_t m0) { return lo ? lo + m0 *
  * int32 sum, in one instruction where AVX2 takes two vpmaddubsw, their adds and the widening
  * per 16 rows. The integer sums are the same and so is the epilogue, lane by lane (one fma for
  * the scale, one for the zero, in group order), so the results equal tile's bit for bit. int8
- * levels are signed: their magnitudes (unsigned) meet the inputs negated where a level is
- * negative, as vpsignb does in quad_dot. */
+ * levels are signed: at M > 1 they are flipped to unsigned (w + 128) and each group's sums
+ * lose 128 * the inputs' sum again (tile_levels_vnni, unshift); at M = 1 their magnitudes
+ * meet the inputs negated where a level is negative, as vpsignb does in quad_dot. */
 int use_vnni; /* vnni.h; qhead.c's tiles follow it too */
 
 /* Turns the VNNI tiles on (1, where the CPU has them) or off (0), or leaves them (-1); returns
@@ -531,6 +541,24 @@ VNNI_INLINE __m512i dot_vnni(__m512i t, __m512i w, __mmask64 negative, const int
     return _mm512_dpbusd_epi32(t, w, xv);
 }
 
+/* The M > 1 tiles' levels: int8 ones flipped to unsigned (w + 128), so that every width's quad
+ * meets a row's 4 inputs as they are, in one vpdpbusd (levels_vnni's negation under a mask
+ * costs an instruction per row and quad); a group's int8 sums then hold 128 * sum(x) more,
+ * taken off by unshift (the integer dots, and so the results, are the same). */
+VNNI_INLINE __m512i tile_levels_vnni(__m512i w, const int bits) {
+    return bits == 8 ? _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)) : w;
+}
+
+VNNI_INLINE __m512i tile_dot_vnni(__m512i t, __m512i w, const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm512_dpbusd_epi32(t, w, _mm512_set1_epi32(v));
+}
+
+VNNI_INLINE __m512i unshift(__m512i t, const int32_t *shift, const int bits) {
+    return bits == 8 ? _mm512_sub_epi32(t, _mm512_set1_epi32(*shift)) : t;
+}
+
 /* As group_step, lo_step and planes_dot, for 16 rows' sums */
 VNNI_INLINE __m512 group_step_vnni(__m512 acc, __m512i dot, float d, float sx, __m512 scale, __m512 zero) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(d), scale), acc);
@@ -546,15 +574,14 @@ VNNI_INLINE __m512i planes_dot_vnni(__m512i hi, __m512i lo) {
 }
 
 /* As group_dots: the dots of mr rows (xr: a plane of each, from k = off) with one group's
- * quads qg, t [r] (16 rows' int32 sums). */
+ * quads qg, t [r] (16 rows' int32 sums; int8 levels' still to unshift). */
 VNNI_INLINE void group_dots_vnni(const __m512i *qg, const int8_t **xr, int64_t off, const int mr, const int bits,
                                  __m512i *t) {
     for (int r = 0; r < mr; r++) t[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = 0; j < QUADS; j++) {
-        __mmask64 negative;
-        const __m512i w = levels_vnni(_mm512_loadu_si512(qg + j), bits, &negative);
-        for (int r = 0; r < mr; r++) t[r] = dot_vnni(t[r], w, negative, xr[r] + off + 4 * j, bits);
+        const __m512i w = tile_levels_vnni(_mm512_loadu_si512(qg + j), bits);
+        for (int r = 0; r < mr; r++) t[r] = tile_dot_vnni(t[r], w, xr[r] + off + 4 * j);
     }
 }
 
@@ -575,7 +602,7 @@ VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, con
         const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            acc[r] = group_step_vnni(acc[r], t[r], x->d[i], x->sx[i], scale, zero);
+            acc[r] = group_step_vnni(acc[r], unshift(t[r], x->shift + i, bits), x->d[i], x->sx[i], scale, zero);
         }
     }
     for (int r = 0; r < mr; r++) { /* as store_tile: (acc + lo) + bias */
@@ -627,11 +654,10 @@ VNNI_INLINE void tile2_vnni(const Rows *x, int64_t m0, const int mr, Panel p, co
         for (int r = 0; r < mr; r++) t[r] = l[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = 0; j < QUADS; j++) {
-            __mmask64 negative;
-            const __m512i w = levels_vnni(_mm512_loadu_si512(qg + j), bits, &negative);
+            const __m512i w = tile_levels_vnni(_mm512_loadu_si512(qg + j), bits);
             for (int r = 0; r < mr; r++) {
-                t[r] = dot_vnni(t[r], w, negative, xr[r] + g * GROUP + 4 * j, bits);
-                l[r] = dot_vnni(l[r], w, negative, xl[r] + g * GROUP + 4 * j, bits);
+                t[r] = tile_dot_vnni(t[r], w, xr[r] + g * GROUP + 4 * j);
+                l[r] = tile_dot_vnni(l[r], w, xl[r] + g * GROUP + 4 * j);
             }
         }
         prefetch_group(next, g, bits);
@@ -639,7 +665,8 @@ VNNI_INLINE void tile2_vnni(const Rows *x, int64_t m0, const int mr, Panel p, co
         const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            acc[r] = group_step_vnni(acc[r], planes_dot_vnni(t[r], l[r]), x->d[i], x->sx[i], scale, zero);
+            __m512i dot = planes_dot_vnni(unshift(t[r], x->shift + i, bits), unshift(l[r], x->lo_shift + i, bits));
+            acc[r] = group_step_vnni(acc[r], dot, x->d[i], x->sx[i], scale, zero);
         }
     }
     for (int r = 0; r < mr; r++)
@@ -833,7 +860,8 @@ VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const int n
     group_dots_vnni(qg, xl, g * GROUP, n, bits, t);
     for (int i = 0; i < n; i++) {
         float *l = lo + rows[i] * NB;
-        _mm512_storeu_ps(l, lo_step_vnni(_mm512_loadu_ps(l), t[i], x->d[rows[i] * (k / GROUP) + g], scale));
+        const int64_t at = rows[i] * (k / GROUP) + g;
+        _mm512_storeu_ps(l, lo_step_vnni(_mm512_loadu_ps(l), unshift(t[i], x->lo_shift + at, bits), x->d[at], scale));
     }
 }
 
@@ -966,10 +994,11 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
 static void quantize(const Rows *rows, const float *x, int64_t k, int64_t i) {
     int64_t groups = k / GROUP;
     int8_t *lo = rows->lo ? rows->lo + i * k : 0;
+    int32_t *shift = rows->shift + i * groups, *lo_shift = rows->lo_shift + i * groups;
     if (rows->wide)
         quantize_row_mixed(x, k, rows->q + i * k, rows->d + i * groups, rows->sx + i * groups, lo,
-                           rows->wide + i * WIDE_WORDS(groups));
-    else quantize_row(x, k, rows->q + i * k, rows->d + i * groups, rows->sx + i * groups, lo);
+                           rows->wide + i * WIDE_WORDS(groups), shift, lo_shift);
+    else quantize_row(x, k, rows->q + i * k, rows->d + i * groups, rows->sx + i * groups, lo, shift, lo_shift);
 }
 
 /* Rows of x per pass over the panels: their int8 copies stay in L2 while the panels stream. */
@@ -1005,8 +1034,10 @@ int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const
         for (int64_t i = 0; i < m; i++) quantize(&rows, x + i * k, k, i);
         for (int64_t m0 = 0; m0 < m; m0 += pass) {
             int64_t n_rows = m - m0 < pass ? m - m0 : pass;
-            Rows part = {rows.q + m0 * k, rows.d + m0 * groups, rows.sx + m0 * groups,
-                         rows.lo ? rows.lo + m0 * k : 0, rows.wide ? rows.wide + m0 * WIDE_WORDS(groups) : 0};
+            Rows part = {.q = rows.q + m0 * k, .d = rows.d + m0 * groups, .sx = rows.sx + m0 * groups,
+                         .shift = rows.shift + m0 * groups, .lo_shift = rows.lo_shift + m0 * groups,
+                         .lo = rows.lo ? rows.lo + m0 * k : 0,
+                         .wide = rows.wide ? rows.wide + m0 * WIDE_WORDS(groups) : 0};
             failed |= gemm(&part, n_rows, k, n_blocks, q, s, z, (int)bits, bias, y + m0 * ldy, ldy);
         }
     }
