@@ -8,7 +8,12 @@ ratios ours / llama-server with their spread (median [min, max] over repetitions
     python benchmarks/compare.py --reps 3 --json compare.json
 
 The shared-prefix workload also runs on a second pypto-serving started with
---no-enable-prefix-caching, to show what the prefix cache buys.
+--no-enable-prefix-caching, to show what the prefix cache buys. `ours-base` is pypto-serving
+from another source tree, e.g. a worktree of the commit before a change, and the summary adds
+the ratios ours / ours-base (what the change buys, measured side by side):
+
+    git worktree add /tmp/base HEAD~3
+    python benchmarks/compare.py --servers ours,ours-base --base-tree /tmp/base --only "c16 128/128"
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ MODELS = {
 class Workload:
     name: str
     bench: BenchConfig
-    servers: tuple[str, ...] = ("ours", "ours-int8", "ours-int16", "llama")
+    servers: tuple[str, ...] = ("ours", "ours-base", "ours-int8", "ours-int16", "llama")
 
 
 def workloads(num_prompts_scale: float) -> list[Workload]:
@@ -55,7 +60,7 @@ def workloads(num_prompts_scale: float) -> list[Workload]:
         Workload("c16 512/128", replace(base, concurrency=16, num_prompts=n(32), input_len=512)),
         Workload("c16 shared 400+64/128", replace(base, concurrency=16, num_prompts=16, warmup=0,
                                                  dataset="shared-prefix", prefix_len=400, input_len=64),
-                 servers=("ours", "ours-int8", "ours-int16", "ours-no-prefix-cache", "llama")),
+                 servers=("ours", "ours-base", "ours-int8", "ours-int16", "ours-no-prefix-cache", "llama")),
     ]
 
 
@@ -112,8 +117,9 @@ def summary(runs: Runs, loads: list[Workload]) -> list[str]:
     for load in loads:
         for name in load.servers:
             lines += _ratio_line(runs, load.name, name, "llama")
-        if "ours-no-prefix-cache" in load.servers:
-            lines += _ratio_line(runs, load.name, "ours", "ours-no-prefix-cache")
+        for base in ("ours-no-prefix-cache", "ours-base"):
+            if base in load.servers:
+                lines += _ratio_line(runs, load.name, "ours", base)
     return lines
 
 
@@ -144,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of prompts")
     p.add_argument("--only", action="append", default=None, help="run only workloads containing this")
     p.add_argument("--servers", default="ours,llama,ours-no-prefix-cache",
-                   help="comma list of ours, ours-int8, ours-int16, ours-no-prefix-cache, llama")
+                   help="comma list of ours, ours-base, ours-int8, ours-int16, ours-no-prefix-cache, llama")
+    p.add_argument("--base-tree", default=None,
+                   help="the source tree ours-base runs from (a git worktree of another commit)")
     p.add_argument("--ours-arg", action="append", default=[], help="extra pypto-serving flag (repeatable)")
     p.add_argument("--port", type=int, default=None,
                    help="the first server's port, the next ones after it (default: free ports)")
@@ -166,11 +174,16 @@ def start_servers(args: argparse.Namespace, model: str) -> dict[str, Server]:
         "ours-int8": lambda: ours_command(model, [*args.ours_arg, "--activation-quantization", "int8"]),
         "llama": lambda: llama_server_command(model, args.llama_server, args.threads),
     }
+    if "ours-base" in args.servers.split(","):
+        if not args.base_tree or not (Path(args.base_tree) / "pypto_serving").is_dir():
+            raise SystemExit("ours-base needs --base-tree: a source tree with pypto_serving/ in it")
+        commands["ours-base"] = commands["ours"]
     servers = {}
     for i, name in enumerate(args.servers.split(",")):
         t0 = time.monotonic()
         port = args.port + i if args.port else None
-        servers[name] = Server(name, commands[name](), port=port).start()
+        cwd = args.base_tree if name == "ours-base" else None
+        servers[name] = Server(name, commands[name](), port=port, cwd=cwd).start()
         print(f"started {name} in {time.monotonic() - t0:.1f} s: {' '.join(servers[name].command)}",
               flush=True)
     return servers

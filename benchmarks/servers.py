@@ -56,8 +56,10 @@ class Server:
     """A server subprocess; `start()` returns once /health answers 200."""
 
     def __init__(self, name: str, command: list[str], startup_timeout: float = 300.0,
-                 port: int | None = None):
-        self.name = name
+                 port: int | None = None, cwd: str | None = None):
+        """`cwd`: where the command runs (`python -m pypto_serving` there imports that tree's
+        package first)."""
+        self.name, self.cwd = name, cwd
         self.port = port or free_port()
         self.command = [str(self.port) if part == PORT else part for part in command]
         self.startup_timeout = startup_timeout
@@ -74,7 +76,7 @@ class Server:
 
     def start(self) -> Server:
         log = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + self.startup_timeout
         while not self._healthy():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.compare import MODELS, Runs, build_parser, summary, to_json, workloads
+import pytest
+
+from benchmarks.compare import MODELS, Runs, build_parser, start_servers, summary, to_json, workloads
 from benchmarks.serve_bench import BenchConfig, RequestResult, summarize
 from benchmarks.servers import PORT, Server, llama_server_command, ours_command
 from pypto_serving.app.packaged_models import SHORT_NAMES
@@ -56,3 +58,20 @@ def test_every_packaged_model_is_a_choice() -> None:
     assert set(MODELS) == set(SHORT_NAMES)
     assert "gemma3-270m" in build_parser().format_help()
     assert all(w.bench.endpoint == "/v1/completions" for w in workloads(1.0))
+
+
+def test_ours_base_is_another_tree_measured_side_by_side(tmp_path) -> None:
+    """`ours-base` runs pypto-serving from --base-tree (a worktree of another commit), and the
+    summary adds ours / ours-base per repetition; without a tree holding the package it refuses
+    before starting anything."""
+    runs = Runs()
+    for ours, base in [(330, 300), (280, 250), (400, 320)]:
+        runs.add("c16 128/128", "ours", result(ours, 1.0))
+        runs.add("c16 128/128", "ours-base", result(base, 1.0))
+    loads = [w for w in workloads(1.0) if w.name == "c16 128/128"]
+    text = "\n".join(summary(runs, loads))
+    assert "c16 128/128: ours / ours-base" in text and "1.12 [1.10, 1.25]" in text
+    args = build_parser().parse_args(["--servers", "ours,ours-base", "--base-tree", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--base-tree"):
+        start_servers(args, "/m.gguf")
+    assert Server("b", ours_command("/m.gguf", []), cwd=str(tmp_path)).cwd == str(tmp_path)

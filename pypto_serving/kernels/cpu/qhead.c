@@ -437,7 +437,7 @@ static int compare_index(const void *a, const void *b) {
  * the threads, lists m apart). Returns -1 when a list could not grow, or for more than
  * n / GREEDY_MAX_SHARE candidates: logits that flat cost less from the int16 head. */
 static int64_t greedy_row(const Kept *kept, int threads, int64_t m, int64_t n, const int16_t *xq, const float *d16,
-                          const uint8_t *q, const uint16_t *scale, int64_t k, int32_t *panels, int64_t *computed) {
+                          const uint8_t *q, const uint16_t *scale, int64_t k, int32_t *panels) {
     const int64_t groups = k / GROUP, qbytes = k * NB;
     float floor = -INFINITY;
     for (int t = 0; t < threads; t++) {
@@ -460,7 +460,6 @@ static int64_t greedy_row(const Kept *kept, int threads, int64_t m, int64_t n, c
         const int64_t width = n - nb * NB < NB ? n - nb * NB : NB;
         float y[NB];
         row_panel(xq, d16, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB, 0, k, y);
-        *computed += 1;
         for (int64_t j = 0; j < width; j++) /* strictly greater: the first index of a tie stays */
             if (y[j] > best_v || best < 0) best_v = y[j], best = nb * NB + j;
     }
@@ -473,9 +472,9 @@ static __thread size_t greedy_len;
 /* out [m] = the argmax over the first n outputs of qlinear_a16(x [m, k], q, scale) per row, the
  * int8 levels' panels (bits 8; l1max [n_blocks * 16]: qhead_l1max), or -1 for a row with too
  * many candidates (its logits are flat within the bound: the caller computes them). Returns
- * the number of panels whose int16 logits it computed, -1 when scratch memory cannot be had,
- * -2 when the CPU has no VNNI tiles or a row holds a value that is not finite or beyond
- * GREEDY_MAX_ABS (the caller then takes qlinear_a16 and its argmax). */
+ * the number of such rows, -1 when scratch memory cannot be had, -2 when the CPU has no VNNI
+ * tiles or a row holds a value that is not finite or beyond GREEDY_MAX_ABS (the caller then
+ * takes qlinear_a16 and its argmax). */
 int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int64_t n, const uint8_t *q,
                      const uint16_t *scale, const float *l1max, int64_t *out) {
     if (!use_vnni) return -2;
@@ -486,7 +485,7 @@ int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int
     const int64_t capacity = GREEDY_KEPT, lists = (int64_t)threads * m, most = n / GREEDY_MAX_SHARE + 1;
     size_t need = lists * (sizeof(Kept) + capacity * (sizeof(int32_t) + sizeof(float))) +
                   (size_t)m * groups * 3 * sizeof(float) + (size_t)m * sizeof(float) + (size_t)m * k * (sizeof(int16_t) + 1) +
-                  (size_t)threads * most * sizeof(int32_t) + 256;
+                  (size_t)most * sizeof(int32_t) + 256;
     if (greedy_len < need) {
         free(greedy_buf);
         greedy_buf = malloc(need);
@@ -497,38 +496,35 @@ int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int
     int32_t *index = (int32_t *)(kept + lists);
     float *upper = (float *)(index + lists * capacity);
     float *d8 = upper + lists * capacity, *d16 = d8 + m * groups, *c = d16 + m * groups;
-    int32_t *shift = (int32_t *)(c + m), *panels = shift + m * groups; /* [thread][most] */
-    int16_t *xq = (int16_t *)(panels + threads * most);
+    int32_t *shift = (int32_t *)(c + m), *panels = shift + m * groups; /* [most] */
+    int16_t *xq = (int16_t *)(panels + most);
     int8_t *x8 = (int8_t *)(xq + m * k);
     for (int64_t i = 0; i < lists; i++)
         kept[i] = (Kept){-INFINITY, 0, (int32_t)capacity, 0, 0, index + i * capacity, upper + i * capacity};
     const float widen = (1.0f / 254.0f + 1.0f / 65534.0f) * (1.0f + GREEDY_SLACK_PER_GROUP * (float)groups);
-    int64_t computed = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : computed)
-    {
-        const int me = omp_get_thread_num();
-        Kept *mine = kept + (int64_t)me * m;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) {
-            c[i] = quantize_row8(x + i * k, k, x8 + i * k, d8 + i * groups, shift + i * groups) * widen;
-            quantize_row16(x + i * k, k, xq + i * k, d16 + i * groups);
-        }
-#pragma omp for schedule(guided)
-        for (int64_t nb = 0; nb < n_blocks; nb++) {
-            const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
-            const int width = n - nb * NB < NB ? (int)(n - nb * NB) : NB;
-            if (width > 0)
-                panel_i8_vnni(x8, d8, shift, c, m, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB,
-                              l1max + nb * NB, nb * NB, width, k, mine, next);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < m; i++)
-            out[i] = greedy_row(kept + i, threads, m, n, xq + i * k, d16 + i * groups, q, scale, k,
-                                panels + (int64_t)me * most, &computed);
+    /* One parallel region with one barrier, as qlinear_a16's at M = 1: in a server the API
+     * process takes a core now and then, and each barrier waits for the thread it preempted.
+     * A few rows quantize in microseconds, and a row's candidates are a few panels. */
+    for (int64_t i = 0; i < m; i++) {
+        c[i] = quantize_row8(x + i * k, k, x8 + i * k, d8 + i * groups, shift + i * groups) * widen;
+        quantize_row16(x + i * k, k, xq + i * k, d16 + i * groups);
+    }
+#pragma omp parallel for num_threads(threads) schedule(guided)
+    for (int64_t nb = 0; nb < n_blocks; nb++) {
+        const char *next = nb + 1 < n_blocks ? (const char *)(q + (nb + 1) * qbytes) : 0;
+        const int width = n - nb * NB < NB ? (int)(n - nb * NB) : NB;
+        if (width > 0)
+            panel_i8_vnni(x8, d8, shift, c, m, (const int8_t *)q + nb * qbytes, scale + nb * groups * NB,
+                          l1max + nb * NB, nb * NB, width, k, kept + (int64_t)omp_get_thread_num() * m, next);
+    }
+    int64_t flat = 0;
+    for (int64_t i = 0; i < m; i++) {
+        out[i] = greedy_row(kept + i, threads, m, n, xq + i * k, d16 + i * groups, q, scale, k, panels);
+        flat += out[i] < 0;
     }
     for (int64_t i = 0; i < lists; i++)
         if (kept[i].owned) free(kept[i].index);
-    return computed;
+    return flat;
 }
 
 /* l1max [n_blocks * 16]: each output's largest sum of |w| over a group of 32 (int8 panels). */

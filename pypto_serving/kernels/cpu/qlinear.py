@@ -98,8 +98,8 @@ def head_argmax_cpu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
         raise MemoryError(f"greedy head: no memory for {x.shape[0]} rows")
     if status < 0:
         return None
-    flat = out < 0  # rows with too many candidates: their logits are needed after all
-    if flat.any():
+    if status:  # rows with too many candidates: their logits are needed after all
+        flat = out < 0
         out[flat] = quant_linear_cpu_head(x[flat], w).argmax(-1)
     return out
 
