@@ -28,13 +28,18 @@ def test_workloads_cover_the_issue_loads() -> None:
     assert all(w.bench.ignore_eos and w.bench.temperature == 0.0 for w in loads.values())
 
 
-def test_summary_reports_ratios_per_repetition() -> None:
+def c16_summary(other: str, pairs: list[tuple[float, float]], other_ttft_s: float) -> tuple[Runs, str]:
+    """c16 128/128 runs of ours (TTFT 1 s) and `other`, tok/s in pairs; the summary's text."""
     runs = Runs()
-    for ours, llama in [(300, 100), (360, 120), (250, 100)]:
+    for ours, theirs in pairs:
         runs.add("c16 128/128", "ours", result(ours, 1.0))
-        runs.add("c16 128/128", "llama", result(llama, 4.0))
+        runs.add("c16 128/128", other, result(theirs, other_ttft_s))
     loads = [w for w in workloads(1.0) if w.name == "c16 128/128"]
-    text = "\n".join(summary(runs, loads))
+    return runs, "\n".join(summary(runs, loads))
+
+
+def test_summary_reports_ratios_per_repetition() -> None:
+    runs, text = c16_summary("llama", [(300, 100), (360, 120), (250, 100)], 4.0)
     assert "c16 128/128: ours / llama" in text
     assert "3.00 [2.50, 3.00]" in text  # throughput ratio: median [min, max]
     assert "0.25 [0.25, 0.25]" in text  # TTFT ratio
@@ -64,12 +69,7 @@ def test_ours_base_is_another_tree_measured_side_by_side(tmp_path) -> None:
     """`ours-base` runs pypto-serving from --base-tree (a worktree of another commit), and the
     summary adds ours / ours-base per repetition; without a tree holding the package it refuses
     before starting anything."""
-    runs = Runs()
-    for ours, base in [(330, 300), (280, 250), (400, 320)]:
-        runs.add("c16 128/128", "ours", result(ours, 1.0))
-        runs.add("c16 128/128", "ours-base", result(base, 1.0))
-    loads = [w for w in workloads(1.0) if w.name == "c16 128/128"]
-    text = "\n".join(summary(runs, loads))
+    _, text = c16_summary("ours-base", [(330, 300), (280, 250), (400, 320)], 1.0)
     assert "c16 128/128: ours / ours-base" in text and "1.12 [1.10, 1.25]" in text
     args = build_parser().parse_args(["--servers", "ours,ours-base", "--base-tree", str(tmp_path)])
     with pytest.raises(SystemExit, match="--base-tree"):
