@@ -215,7 +215,7 @@ class RequestStream:
             # detokenizer, the stop strings and the parser on its own, so a reply ends at the
             # very token it would end at alone; the tokens taken go out as one delta.
             pieces = [msg.token_ids[i:i + 1] for i in range(len(msg.token_ids))] or [()]
-            delta, stopped, taken = _NOTHING, False, 0
+            delta, stopped, taken, start = _NOTHING, False, 0, 0
             for i, piece in enumerate(pieces):
                 count += len(piece)
                 taken += len(piece)
@@ -225,6 +225,11 @@ class RequestStream:
                     more, stopped = self._flush(detok, stop, search)
                     text += more
                 step = parser.push(text)
+                if delta.tool_calls and (step.content or step.reasoning):
+                    # text after a call goes out after it, as it would a token at a time (a
+                    # delta does not say which of its text and calls came first)
+                    yield _text_delta(delta, msg.token_ids[start:i], self._logprobs(msg)[start:i])
+                    delta, start = _NOTHING, i
                 delta = _extended(delta, step)
                 if stopped or step.error is not None:
                     break
@@ -240,8 +245,8 @@ class RequestStream:
                 tail, end = parser.finish("length" if engine_end else done.finish_reason)
                 delta = _joined(delta, tail)
                 done = done if engine_end else self._parsed(done, end, delta.error)
-            if msg.token_ids or delta.content or delta.reasoning or delta.tool_calls:
-                yield _text_delta(delta, msg.token_ids, self._logprobs(msg))
+            if msg.token_ids[start:] or delta.content or delta.reasoning or delta.tool_calls:
+                yield _text_delta(delta, msg.token_ids[start:], self._logprobs(msg)[start:])
             if done is not None:
                 yield done if delta.error is None else self._malformed(done, delta.error)
                 return

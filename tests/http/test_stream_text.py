@@ -171,3 +171,32 @@ def test_a_call_in_one_message_streams_as_it_does_a_token_at_a_time():
                      [(c.name, c.arguments) for c in done.tool_calls]))
     assert seen[0] == seen[1] and seen[0][0].strip() == "ok" and seen[0][2] == [("f", '{"x": 12}')]
     assert len(deltas) == 1 and len(deltas[0].tool_calls) <= 2  # the name, then the arguments at once
+
+
+def test_text_after_a_call_in_one_message_comes_after_the_call():
+    """Merged tokens whose call is followed by text give the call's delta first, then the text's:
+    the order a token at a time gives (a delta does not tell which of its text and calls came
+    first; the Responses API orders its items by it)."""
+    tok = Chars()
+    reply = ReplyFormat(tool_parser=HermesToolParser, tool_names=frozenset({"f"}))
+    ids = tok.ids('<tool_call>{"name": "f", "arguments": {"x": 12}}</tool_call> ok')
+
+    async def run(chunks: list[tuple[int, ...]]) -> list[TextDelta]:
+        scheduler = Recorder()
+        request = GenerateRequest("x", (0,), len(ids), reply=reply, sampling=SamplingParams(logprobs=0))
+        events = RequestStream(request, 0, tok, None, scheduler, RequestLimits(256, 64)).events()
+        await anext(events)
+        for i, chunk in enumerate(chunks):
+            scheduler.messages[0].reply_to.tell(Tokens(
+                0, chunk, "length" if i == len(chunks) - 1 else None, logprobs=(-0.5,) * len(chunk),
+                top_logprobs=((),) * len(chunk)))
+        return [e async for e in events][:-1]
+
+    def kinds(deltas: list[TextDelta]) -> list[str]:
+        seen = [k for d in deltas for k in ["call"] * bool(d.tool_calls) + ["text"] * bool(d.text.strip())]
+        return [k for i, k in enumerate(seen) if not i or seen[i - 1] != k]
+
+    one_by_one, merged = asyncio.run(run([ids[i:i + 1] for i in range(len(ids))])), asyncio.run(run([ids]))
+    assert kinds(one_by_one) == kinds(merged) == ["call", "text"]
+    assert [t for d in merged for t in d.token_ids] == list(ids) and len(merged) == 2
+    assert sum(len(d.logprobs) for d in merged) == len(ids)
