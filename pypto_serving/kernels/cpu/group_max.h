@@ -4,6 +4,7 @@
 #ifndef PYPTO_GROUP_MAX_H
 #define PYPTO_GROUP_MAX_H
 #include <immintrin.h>
+#include <stdint.h>
 
 /* v[0] + ... + v[7], as (lo half + hi half), then pairs: the one order every kernel sums in. */
 static inline __attribute__((always_inline)) float hsum8f(__m256 v) {
@@ -34,5 +35,11 @@ static inline __attribute__((always_inline)) __m256i pack32(__m256i i[4]) {
     /* packs interleaves 128-bit lanes: dwords 0 4 1 5 2 6 3 7 back in order */
     return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
+
+/* Row x [k] -> int8 xq [k], d [k / 32] (max|x| / 127 per group), sx [k / 32] (d * sum(xq)),
+ * shift [k / 32] (128 * sum(xq)); with lo also the second plane of int16 activations and its
+ * lo_shift (qdot.c). */
+void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo, int32_t *shift,
+                  int32_t *lo_shift);
 
 #endif

@@ -163,7 +163,7 @@ INLINE int32_t quantize_group(const __m256 v[4], float amax, int8_t *xq, int8_t 
 /* Row r of x -> xq [k], d [k / 32], sx [k / 32], shift [k / 32] (128 * sum(xq), for the VNNI
  * tiles' unsigned int8 levels); with lo (int16 activations) also the second plane, its
  * lo_shift, and d becomes its step d / LO_STEPS. */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo, int32_t *shift,
+void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo, int32_t *shift,
                          int32_t *lo_shift) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         __m256 v[4];
@@ -539,24 +539,6 @@ VNNI_INLINE __m512i dot_vnni(__m512i t, __m512i w, __mmask64 negative, const int
     __m512i xv = _mm512_set1_epi32(v);
     if (bits == 8) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
     return _mm512_dpbusd_epi32(t, w, xv);
-}
-
-/* The M > 1 tiles' levels: int8 ones flipped to unsigned (w + 128), so that every width's quad
- * meets a row's 4 inputs as they are, in one vpdpbusd (levels_vnni's negation under a mask
- * costs an instruction per row and quad); a group's int8 sums then hold 128 * sum(x) more,
- * taken off by unshift (the integer dots, and so the results, are the same). */
-VNNI_INLINE __m512i tile_levels_vnni(__m512i w, const int bits) {
-    return bits == 8 ? _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)) : w;
-}
-
-VNNI_INLINE __m512i tile_dot_vnni(__m512i t, __m512i w, const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm512_dpbusd_epi32(t, w, _mm512_set1_epi32(v));
-}
-
-VNNI_INLINE __m512i unshift(__m512i t, const int32_t *shift, const int bits) {
-    return bits == 8 ? _mm512_sub_epi32(t, _mm512_set1_epi32(*shift)) : t;
 }
 
 /* As group_step, lo_step and planes_dot, for 16 rows' sums */

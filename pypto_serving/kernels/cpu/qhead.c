@@ -224,20 +224,25 @@ _Static_assert(MR == 4, "panel_rows tiles the last 1 to 3 rows");
 static __thread void *act_buf;
 static __thread size_t act_len;
 
+/* The calling thread's scratch (qlinear_a16's and qhead_greedy's, kept across calls) of at
+ * least `need` bytes, or NULL. */
+static void *scratch(size_t need) {
+    if (act_len < need) {
+        free(act_buf);
+        act_buf = malloc(need);
+        act_len = act_buf ? need : 0;
+    }
+    return act_buf;
+}
+
 /* y [m, n_blocks * 16] = x [m, k] against the int8 panels q / scale (bits 8 only), with x
  * quantized to int16 per group of 32, plus bias (NULL, or padded to whole panels). Returns 0,
  * or -1 when scratch memory cannot be had. */
 int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q,
                     const uint16_t *scale, const float *bias, float *y) {
     const int64_t groups = k / GROUP, ldy = n_blocks * NB, qbytes = k * NB;
-    size_t need = (size_t)m * k * sizeof(int16_t) + (size_t)m * groups * sizeof(float) + 64;
-    if (act_len < need) {
-        free(act_buf);
-        act_buf = malloc(need);
-        act_len = act_buf ? need : 0;
-    }
-    if (!act_buf) return -1;
-    float *d = act_buf;
+    float *d = scratch((size_t)m * k * sizeof(int16_t) + (size_t)m * groups * sizeof(float) + 64);
+    if (!d) return -1;
     int16_t *xq = (int16_t *)(d + m * groups);
     if (m == 1) {
         quantize_row16(x, k, xq, d);
@@ -292,26 +297,6 @@ int64_t qlinear_a16(const float *x, int64_t m, int64_t k, int64_t n_blocks, cons
 #define GREEDY_MAX_ABS 1e15f /* larger inputs (or NaN, inf): the caller takes the whole path */
 #define GREEDY_KEPT 1024 /* room for a thread's outputs of a row, doubled when those above its floor fill it */
 #define GREEDY_MAX_SHARE 5 /* a row with more than n / 5 candidates takes the int16 head (its logits) */
-
-/* x [k] -> xq [k] (round(x / d), nearest even, as quantize_row16 rounds), d [k / 32] and
- * shift [k / 32] = 128 * sum of the group's xq; returns sum over groups of max|x|. */
-static float quantize_row8(const float *x, int64_t k, int8_t *xq, float *d, int32_t *shift) {
-    float total = 0.0f;
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        __m256 v[4];
-        float amax = group_max(x + g * GROUP, v);
-        d[g] = amax / 127.0f;
-        total += amax;
-        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i i[4];
-        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
-        _mm256_storeu_si256((__m256i *)(xq + g * GROUP), pack32(i));
-        int32_t sum = 0;
-        for (int j = 0; j < GROUP; j++) sum += xq[g * GROUP + j];
-        shift[g] = 128 * sum;
-    }
-    return total;
-}
 
 /* One thread's candidates for one row: its floor and the outputs that reached it. */
 typedef struct {
@@ -372,13 +357,12 @@ VNNI_INLINE void keep_candidates(Kept *k, __m512 l8, float c, const float *l1, i
 }
 
 /* mr rows of xq against all 16 rows of the int8 panel w (outputs n0 .. n0 + width - 1); each
- * row's 16 int8 logits go to its candidates. The levels go in as unsigned bytes, w + 128 (a
- * flipped sign bit), so that each row's 4 inputs are vpdpbusd's broadcast memory operand. */
+ * row's 16 int8 logits go to its candidates. The levels go in unsigned, as qdot.c's tiles take
+ * them (vnni.h). */
 VNNI_INLINE void tile_i8_vnni(const int8_t *xq, const float *d, const int32_t *shift, const float *c, const int mr,
                               const int8_t *w, const uint16_t *scale, const float *l1, int64_t n0, int width,
                               int64_t k_len, Kept *kept, const char *next) {
     const int64_t groups = k_len / GROUP;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[MR_VNNI];
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -388,17 +372,13 @@ VNNI_INLINE void tile_i8_vnni(const int8_t *xq, const float *d, const int32_t *s
         for (int j = 0; j < QUADS; j++) {
             int64_t k = g * GROUP + 4 * j;
             /* lane r: row r's 4 levels */
-            __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + k * NB)), flip);
-            for (int r = 0; r < mr; r++) {
-                int32_t v;
-                memcpy(&v, xq + r * k_len + k, 4);
-                t[r] = _mm512_dpbusd_epi32(t[r], wu, _mm512_set1_epi32(v));
-            }
+            const __m512i wu = tile_levels_vnni(_mm512_loadu_si512((const void *)(w + k * NB)), 8);
+            for (int r = 0; r < mr; r++) t[r] = tile_dot_vnni(t[r], wu, xq + r * k_len + k);
         }
         prefetch_group(next, g, QUADS);
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * NB)));
         for (int r = 0; r < mr; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t[r], _mm512_set1_epi32(shift[r * groups + g]))),
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(unshift(t[r], shift + r * groups + g, 8)),
                                      _mm512_mul_ps(_mm512_set1_ps(d[r * groups + g]), s), acc[r]);
     }
     for (int r = 0; r < mr; r++) keep_candidates(kept + r, acc[r], c[r], l1, n0, width);
@@ -466,9 +446,6 @@ static int64_t greedy_row(const Kept *kept, int threads, int64_t m, int64_t n, c
     return best;
 }
 
-static __thread void *greedy_buf;
-static __thread size_t greedy_len;
-
 /* out [m] = the argmax over the first n outputs of qlinear_a16(x [m, k], q, scale) per row, the
  * int8 levels' panels (bits 8; l1max [n_blocks * 16]: qhead_l1max), or -1 for a row with too
  * many candidates (its logits are flat within the bound: the caller computes them). Returns
@@ -483,31 +460,29 @@ int64_t qhead_greedy(const float *x, int64_t m, int64_t k, int64_t n_blocks, int
     const int64_t groups = k / GROUP, qbytes = k * NB;
     const int threads = omp_get_max_threads();
     const int64_t capacity = GREEDY_KEPT, lists = (int64_t)threads * m, most = n / GREEDY_MAX_SHARE + 1;
-    size_t need = lists * (sizeof(Kept) + capacity * (sizeof(int32_t) + sizeof(float))) +
-                  (size_t)m * groups * 3 * sizeof(float) + (size_t)m * sizeof(float) + (size_t)m * k * (sizeof(int16_t) + 1) +
-                  (size_t)most * sizeof(int32_t) + 256;
-    if (greedy_len < need) {
-        free(greedy_buf);
-        greedy_buf = malloc(need);
-        greedy_len = greedy_buf ? need : 0;
-    }
-    if (!greedy_buf) return -1;
-    Kept *kept = greedy_buf; /* [thread][row] */
+    Kept *kept = scratch(lists * (sizeof(Kept) + capacity * (sizeof(int32_t) + sizeof(float))) +
+                         (size_t)m * groups * 4 * sizeof(float) + (size_t)m * sizeof(float) +
+                         (size_t)m * k * (sizeof(int16_t) + 1) + (size_t)most * sizeof(int32_t) + 256);
+    if (!kept) return -1; /* [thread][row] */
     int32_t *index = (int32_t *)(kept + lists);
     float *upper = (float *)(index + lists * capacity);
-    float *d8 = upper + lists * capacity, *d16 = d8 + m * groups, *c = d16 + m * groups;
+    float *d8 = upper + lists * capacity, *sx8 = d8 + m * groups, *d16 = sx8 + m * groups, *c = d16 + m * groups;
     int32_t *shift = (int32_t *)(c + m), *panels = shift + m * groups; /* [most] */
     int16_t *xq = (int16_t *)(panels + most);
     int8_t *x8 = (int8_t *)(xq + m * k);
     for (int64_t i = 0; i < lists; i++)
         kept[i] = (Kept){-INFINITY, 0, (int32_t)capacity, 0, 0, index + i * capacity, upper + i * capacity};
-    const float widen = (1.0f / 254.0f + 1.0f / 65534.0f) * (1.0f + GREEDY_SLACK_PER_GROUP * (float)groups);
+    /* c = sum of the groups' max|x| (127 d8) * (1/254 + 1/65534), widened */
+    const float widen = 127.0f * (1.0f / 254.0f + 1.0f / 65534.0f) * (1.0f + GREEDY_SLACK_PER_GROUP * (float)groups);
     /* One parallel region with one barrier, as qlinear_a16's at M = 1: in a server the API
      * process takes a core now and then, and each barrier waits for the thread it preempted.
      * A few rows quantize in microseconds, and a row's candidates are a few panels. */
     for (int64_t i = 0; i < m; i++) {
-        c[i] = quantize_row8(x + i * k, k, x8 + i * k, d8 + i * groups, shift + i * groups) * widen;
+        quantize_row(x + i * k, k, x8 + i * k, d8 + i * groups, sx8 + i * groups, 0, shift + i * groups, 0);
         quantize_row16(x + i * k, k, xq + i * k, d16 + i * groups);
+        float steps = 0.0f;
+        for (int64_t g = 0; g < groups; g++) steps += d8[i * groups + g];
+        c[i] = steps * widen;
     }
 #pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t nb = 0; nb < n_blocks; nb++) {
