@@ -438,16 +438,19 @@ class EventWriter:
         for call in event.tool_calls:
             if call.index in builder.held:  # announced whole once complete (finish)
                 continue
-            item_id, index = builder.item_id(call.index), builder.order.index(call.index)
-            if item_id not in self.streamed:
-                self.streamed[item_id] = 0
-                call_id, name = builder.calls[call.index][:2]
-                item = FunctionCallItem(item_id, call_id, name, "", "in_progress")
-                await self.event("response.output_item.added", output_index=index,
-                                 item=msgspec.to_builtins(item))
-            if call.arguments:
-                await self.event("response.function_call_arguments.delta", item_id=item_id,
-                                 output_index=index, delta=call.arguments)
+            call_id, name = builder.calls[call.index][:2]
+            await self._arguments(builder.item_id(call.index), builder.order.index(call.index), call_id,
+                                  name, call.arguments)
+
+    async def _arguments(self, item_id: str, index: int, call_id: str, name: str, fragment: str) -> None:
+        """A fragment of a call's arguments, announcing the call first."""
+        if item_id not in self.streamed:
+            self.streamed[item_id] = 0
+            item = FunctionCallItem(item_id, call_id, name, "", "in_progress")
+            await self.event("response.output_item.added", output_index=index, item=msgspec.to_builtins(item))
+        if fragment:
+            await self.event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                             delta=fragment)
 
     async def _text(self, key: str, kind: str, text: str, index: int | None = None) -> None:
         """`text` of the reasoning or the message, announcing the item first."""
@@ -472,11 +475,7 @@ class EventWriter:
             data = msgspec.to_builtins(item)
             if isinstance(item, FunctionCallItem):
                 if item.id not in self.streamed:  # a strict tool's call, held until complete
-                    opened = msgspec.structs.replace(item, arguments="", status="in_progress")
-                    await self.event("response.output_item.added", output_index=index,
-                                     item=msgspec.to_builtins(opened))
-                    await self.event("response.function_call_arguments.delta", item_id=item.id,
-                                     output_index=index, delta=item.arguments)
+                    await self._arguments(item.id, index, item.call_id, item.name, item.arguments)
                 await self.event("response.function_call_arguments.done", item_id=item.id,
                                  output_index=index, arguments=item.arguments)
             else:
