@@ -161,10 +161,10 @@ INLINE int32_t quantize_group(const __m256 v[4], float amax, int8_t *xq, int8_t 
 }
 
 /* Row r of x -> xq [k], d [k / 32], sx [k / 32], shift [k / 32] (128 * sum(xq), for the VNNI
- * tiles' unsigned int8 levels); with lo (int16 activations) also the second plane, its
- * lo_shift, and d becomes its step d / LO_STEPS. */
+ * tiles' unsigned int8 levels; qhead_greedy's rows too); with lo (int16 activations) also the
+ * second plane, its lo_shift, and d becomes its step d / LO_STEPS. */
 void quantize_row(const float *x, int64_t k, int8_t *xq, float *d, float *sx, int8_t *lo, int32_t *shift,
-                         int32_t *lo_shift) {
+                  int32_t *lo_shift) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         __m256 v[4];
         float amax = group_max(x + g * GROUP, v);

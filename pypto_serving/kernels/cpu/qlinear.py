@@ -85,13 +85,12 @@ def head_argmax_cpu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
             or not library().qdot_use_vnni(-1):
         return None
     x = x.contiguous()
+    k, n_blocks, q, scale, _, _ = weight_args(w)
     l1max = _L1MAX.get(w)
     if l1max is None:
-        k, n_blocks, q, scale, _, _ = weight_args(w)
         l1max = _L1MAX[w] = torch.empty(n_blocks.value * PANEL)
         library().qhead_l1max(k, n_blocks, q, scale, l1max.data_ptr())
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    k, n_blocks, q, scale, _, _ = weight_args(w)
     status = library().qhead_greedy(x.data_ptr(), x.shape[0], k, n_blocks, w.n, q, scale, l1max.data_ptr(),
                                     out.data_ptr())
     if status == -1:
