@@ -8,6 +8,8 @@
  * llama.cpp's Q8_1 keeps it). Per group g and output n,
  *   dot = sum of xq[k] * q[k, n]           (integers, exact: the order cannot matter)
  *   acc = fma(dot, d * scale, acc); acc = fma(sx, zero, acc)
+ * or, on a symmetric grid (zero = -2^(bits - 1) scale: GGUF's Q4_0, Q5_0; int8's zero 0), with
+ * the zero term in the integers, acc = fma(dot - 2^(bits - 1) sum(xq), d * scale, acc),
  * in the same order for every tiling, so a row's result never depends on the batch (M = 1
  * and M > 1 agree bit for bit), and the int8 x uint8 products (vpmaddubsw) do 32 multiply-adds
  * per instruction where the fp32 kernels do 8.
@@ -37,14 +39,9 @@
 
 INLINE __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* The zeros of 8 rows at zero + i, or without stored zeros (NULL: a symmetric grid, as GGUF's
- * Q4_0, Q5_0 and Q8_0 pack) their levels' midpoint, -2^(bits - 1) scale (int8 levels are
- * signed: 0). Exact either way where the stored zeros are that (a power of two times an
- * fp16). */
-INLINE __m256 zeros8(const uint16_t *zero, int64_t i, __m256 scale, const int bits) {
-    if (zero) return half8(zero + i);
-    return bits == 8 ? _mm256_setzero_ps() : _mm256_mul_ps(scale, _mm256_set1_ps(-(float)(1 << (bits - 1))));
-}
+/* The zeros of 8 rows at zero + i; none (0) without stored zeros: a symmetric grid, as GGUF's
+ * Q4_0, Q5_0 and Q8_0 pack, whose zero terms the dots take (centred). */
+INLINE __m256 zeros8(const uint16_t *zero, int64_t i) { return zero ? half8(zero + i) : _mm256_setzero_ps(); }
 
 /* 4-bit panel, k .. k+3: 32 bytes, byte 4 r + i = row r (low nibble) and row r + 8 (high) at k + i. */
 INLINE void quads4(const uint8_t *q, int64_t k, __m256i *a, __m256i *b) {
@@ -118,9 +115,22 @@ INLINE __m256i planes_dot(__m256i hi, __m256i lo) {
     return _mm256_add_epi32(_mm256_mullo_epi32(hi, _mm256_set1_epi32(LO_STEPS)), lo);
 }
 
-INLINE __m256 group_step(__m256 acc, __m256i dot, float d, float sx, __m256 scale, __m256 zero) {
+/* zeros: the panel has zeros of its own (an asymmetric grid: Q4_1, Q4_K, ...), so each group
+ * adds its zero term sx * zero. On a symmetric grid (qlinear_q8's z NULL, and every int8 panel,
+ * whose zeros are 0) the term is in the integer dot instead (centred). */
+INLINE __m256 group_step(__m256 acc, __m256i dot, float d, float sx, __m256 scale, __m256 zero, const int zeros) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_set1_ps(d), scale), acc);
-    return _mm256_fmadd_ps(_mm256_set1_ps(sx), zero, acc);
+    return zeros ? _mm256_fmadd_ps(_mm256_set1_ps(sx), zero, acc) : acc;
+}
+
+/* A symmetric grid's zero term, -2^(bits - 1) scale * d * sum(xq), taken in the integer dot:
+ * dot - 2^(bits - 1) sum(xq), from the group's shift = 128 sum(xq) (exact: a multiple of 128
+ * shifted). int8's zeros are 0: nothing to take. One fma fewer per row and group, which is what
+ * bounds the tiles at M > 1 (their GEMMs ~10% faster), and the term exact rather than rounded. */
+INLINE int32_t centre(const int32_t *shift, const int bits) { return *shift >> (8 - bits); }
+
+INLINE __m256i centred(__m256i dot, const int32_t *shift, const int bits, const int zeros) {
+    return zeros || bits == 8 ? dot : _mm256_sub_epi32(dot, _mm256_set1_epi32(centre(shift, bits)));
 }
 
 /* Mixed activations: a wide group's residual plane (d: the int8 step), summed apart from the
@@ -270,7 +280,7 @@ INLINE void store8(float *y, __m256 acc, const float *bias) {
 }
 
 INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, const uint16_t *zero, const int bits,
-                      int64_t k_len, float *y, const float *bias) {
+                      const int zeros, int64_t k_len, float *y, const float *bias) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     __m256 lo0 = acc0, lo1 = acc0; /* mixed activations: the wide groups' residual planes (store_tile) */
     for (int64_t g = 0; g < k_len / GROUP; g++) {
@@ -296,17 +306,22 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
                 l1 = quad_dot(l1, b, xl, bits, 0);
             }
         }
-        __m256i d0 = widen(t0, bits), d1 = widen(t1, bits);
+        __m256i d0 = centred(widen(t0, bits), x->shift + g, bits, zeros);
+        __m256i d1 = centred(widen(t1, bits), x->shift + g, bits, zeros);
+        if (two) {
+            l0 = centred(widen(l0, bits), x->lo_shift + g, bits, zeros);
+            l1 = centred(widen(l1, bits), x->lo_shift + g, bits, zeros);
+        }
         if (two && !x->wide) {
-            d0 = planes_dot(d0, widen(l0, bits));
-            d1 = planes_dot(d1, widen(l1, bits));
+            d0 = planes_dot(d0, l0);
+            d1 = planes_dot(d1, l1);
         }
         __m256 s0 = half8(scale + g * NB), s1 = half8(scale + g * NB + 8);
-        acc0 = group_step(acc0, d0, x->d[g], x->sx[g], s0, zeros8(zero, g * NB, s0, bits));
-        acc1 = group_step(acc1, d1, x->d[g], x->sx[g], s1, zeros8(zero, g * NB + 8, s1, bits));
+        acc0 = group_step(acc0, d0, x->d[g], x->sx[g], s0, zeros8(zero, g * NB), zeros);
+        acc1 = group_step(acc1, d1, x->d[g], x->sx[g], s1, zeros8(zero, g * NB + 8), zeros);
         if (two && x->wide) {
-            lo0 = lo_step(lo0, widen(l0, bits), x->d[g], s0);
-            lo1 = lo_step(lo1, widen(l1, bits), x->d[g], s1);
+            lo0 = lo_step(lo0, l0, x->d[g], s0);
+            lo1 = lo_step(lo1, l1, x->d[g], s1);
         }
     }
     if (x->wide) {
@@ -323,10 +338,13 @@ static void gemv(const Rows *x, int64_t k, int64_t n_blocks, const uint8_t *q, c
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < n_blocks; nb++) {
         const float *bb = bias ? bias + nb * NB : 0;
-        const uint16_t *zb = z ? z + nb * groups * NB : 0;
-        if (bits == 4) row_panel(x, q + nb * qbytes, s + nb * groups * NB, zb, 4, k, y + nb * NB, bb);
-        else if (bits == 5) row_panel(x, q + nb * qbytes, s + nb * groups * NB, zb, 5, k, y + nb * NB, bb);
-        else row_panel(x, q + nb * qbytes, s + nb * groups * NB, zb, 8, k, y + nb * NB, bb);
+        const uint16_t *zb = z ? z + nb * groups * NB : 0, *sb = s + nb * groups * NB;
+        const uint8_t *qb = q + nb * qbytes;
+        if (bits == 4 && z) row_panel(x, qb, sb, zb, 4, 1, k, y + nb * NB, bb);
+        else if (bits == 4) row_panel(x, qb, sb, zb, 4, 0, k, y + nb * NB, bb);
+        else if (bits == 5 && z) row_panel(x, qb, sb, zb, 5, 1, k, y + nb * NB, bb);
+        else if (bits == 5) row_panel(x, qb, sb, zb, 5, 0, k, y + nb * NB, bb);
+        else row_panel(x, qb, sb, zb, 8, 0, k, y + nb * NB, bb);
     }
 }
 
@@ -396,8 +414,8 @@ INLINE void store_tile(const int mr, float *y, int64_t ldy, const float *bias, _
 }
 
 /* mr rows of x against one panel: every group sum and accumulator stays in a register. */
-INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
-                 int64_t ldy, const float *bias, const char *next, const float *lo) {
+INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, const int zeros, int64_t k_len,
+                 float *y, int64_t ldy, const float *bias, const char *next, const float *lo) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[MR];
     __m256 acc[MR][2];
@@ -415,16 +433,18 @@ INLINE void tile(const Rows *x, int64_t m0, const int mr, Panel p, const int bit
         __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            acc[r][0] = group_step(acc[r][0], widen(t[r][0], bits), x->d[i], x->sx[i], s0, z0);
-            acc[r][1] = group_step(acc[r][1], widen(t[r][1], bits), x->d[i], x->sx[i], s1, z1);
+            acc[r][0] = group_step(acc[r][0], centred(widen(t[r][0], bits), x->shift + i, bits, zeros), x->d[i],
+                                   x->sx[i], s0, z0, zeros);
+            acc[r][1] = group_step(acc[r][1], centred(widen(t[r][1], bits), x->shift + i, bits, zeros), x->d[i],
+                                   x->sx[i], s1, z1, zeros);
         }
     }
     store_tile(mr, y, ldy, bias, acc, lo);
 }
 
 /* As tile, for int16 activations: two planes per row, so two rows per tile fit the registers. */
-INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
-                  int64_t ldy, const float *bias, const char *next) {
+INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, const int zeros, int64_t k_len,
+                  float *y, int64_t ldy, const float *bias, const char *next) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[2], *xl[2];
     __m256 acc[2][2];
@@ -454,10 +474,12 @@ INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bi
         __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            acc[r][0] = group_step(acc[r][0], planes_dot(widen(t[r][0], bits), widen(l[r][0], bits)), x->d[i],
-                                   x->sx[i], s0, z0);
-            acc[r][1] = group_step(acc[r][1], planes_dot(widen(t[r][1], bits), widen(l[r][1], bits)), x->d[i],
-                                   x->sx[i], s1, z1);
+            for (int h = 0; h < 2; h++) {
+                __m256i hi = centred(widen(t[r][h], bits), x->shift + i, bits, zeros);
+                __m256i lo = centred(widen(l[r][h], bits), x->lo_shift + i, bits, zeros);
+                acc[r][h] = group_step(acc[r][h], planes_dot(hi, lo), x->d[i], x->sx[i], h ? s1 : s0, h ? z1 : z0,
+                                       zeros);
+            }
         }
     }
     for (int r = 0; r < mr; r++) {
@@ -471,8 +493,8 @@ INLINE void tile2(const Rows *x, int64_t m0, const int mr, Panel p, const int bi
  * (vpmaddwd), not every quad: per group and half panel 8 vpmaddubsw and 2 vpmaddwd instead of
  * 8 of each. The integer sums are the same, so the results are tile's bit for bit. A half sum
  * and a group sum per row and half panel need two rows per tile to stay in registers. */
-INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_len, float *y, int64_t ldy,
-                  const float *bias, const char *next, const float *lo) {
+INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, const int zeros, int64_t k_len, float *y,
+                  int64_t ldy, const float *bias, const char *next, const float *lo) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[2];
     __m256 acc[2][2];
@@ -490,8 +512,10 @@ INLINE void tile5(const Rows *x, int64_t m0, const int mr, Panel p, int64_t k_le
         __m256 z0 = _mm256_load_ps(sz + NB), z1 = _mm256_load_ps(sz + NB + 8);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            acc[r][0] = group_step(acc[r][0], t[r][0], x->d[i], x->sx[i], s0, z0);
-            acc[r][1] = group_step(acc[r][1], t[r][1], x->d[i], x->sx[i], s1, z1);
+            acc[r][0] = group_step(acc[r][0], centred(t[r][0], x->shift + i, 5, zeros), x->d[i], x->sx[i], s0, z0,
+                                   zeros);
+            acc[r][1] = group_step(acc[r][1], centred(t[r][1], x->shift + i, 5, zeros), x->d[i], x->sx[i], s1, z1,
+                                   zeros);
         }
     }
     store_tile(mr, y, ldy, bias, acc, lo);
@@ -542,9 +566,21 @@ VNNI_INLINE __m512i dot_vnni(__m512i t, __m512i w, __mmask64 negative, const int
 }
 
 /* As group_step, lo_step and planes_dot, for 16 rows' sums */
-VNNI_INLINE __m512 group_step_vnni(__m512 acc, __m512i dot, float d, float sx, __m512 scale, __m512 zero) {
+VNNI_INLINE __m512 group_step_vnni(__m512 acc, __m512i dot, float d, float sx, __m512 scale, __m512 zero,
+                                   const int zeros) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(d), scale), acc);
-    return _mm512_fmadd_ps(_mm512_set1_ps(sx), zero, acc);
+    return zeros ? _mm512_fmadd_ps(_mm512_set1_ps(sx), zero, acc) : acc;
+}
+
+/* As centred */
+VNNI_INLINE __m512i centred_vnni(__m512i dot, const int32_t *shift, const int bits, const int zeros) {
+    return zeros || bits == 8 ? dot : _mm512_sub_epi32(dot, _mm512_set1_epi32(centre(shift, bits)));
+}
+
+/* A group's sums from the M > 1 tiles: int8 levels' flip undone (unshift), a symmetric grid's
+ * zero term taken (centred). */
+VNNI_INLINE __m512i tile_sums(__m512i t, const int32_t *shift, const int bits, const int zeros) {
+    return centred_vnni(unshift(t, shift, bits), shift, bits, zeros);
 }
 
 VNNI_INLINE __m512 lo_step_vnni(__m512 acc, __m512i lo_dot, float d, __m512 scale) {
@@ -567,8 +603,9 @@ VNNI_INLINE void group_dots_vnni(const __m512i *qg, const int8_t **xr, int64_t o
     }
 }
 
-VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len, float *y,
-                           int64_t ldy, const float *bias, const char *next, const float *lo) {
+VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, const int zeros,
+                           int64_t k_len, float *y, int64_t ldy, const float *bias, const char *next,
+                           const float *lo) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[MR_VNNI];
     __m512 acc[MR_VNNI];
@@ -584,7 +621,8 @@ VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, con
         const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            acc[r] = group_step_vnni(acc[r], unshift(t[r], x->shift + i, bits), x->d[i], x->sx[i], scale, zero);
+            acc[r] = group_step_vnni(acc[r], tile_sums(t[r], x->shift + i, bits, zeros), x->d[i], x->sx[i], scale,
+                                     zero, zeros);
         }
     }
     for (int r = 0; r < mr; r++) { /* as store_tile: (acc + lo) + bias */
@@ -593,35 +631,38 @@ VNNI_INLINE void tile_vnni(const Rows *x, int64_t m0, const int mr, Panel p, con
     }
 }
 
-VNNI_INLINE void panel_tiles_vnni_bits(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y,
-                                       int64_t ldy, const float *bias, const char *next, const float *lo) {
+VNNI_INLINE void panel_tiles_vnni_bits(const Rows *x, int64_t m, Panel p, const int bits, const int zeros, int64_t k,
+                                       float *y, int64_t ldy, const float *bias, const char *next, const float *lo) {
     int64_t m0 = 0;
     for (; m0 + MR_VNNI <= m; m0 += MR_VNNI, next = 0)
-        tile_vnni(x, m0, MR_VNNI, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        tile_vnni(x, m0, MR_VNNI, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
     if (m - m0 >= 4) {
-        tile_vnni(x, m0, 4, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        tile_vnni(x, m0, 4, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
         m0 += 4, next = 0;
     }
     if (m - m0 >= 2) {
-        tile_vnni(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        tile_vnni(x, m0, 2, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
         m0 += 2, next = 0;
     }
-    if (m0 < m) tile_vnni(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+    if (m0 < m) tile_vnni(x, m0, 1, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
 }
 
 /* Panels of any width (bits: int5's levels are unpacked into quads of bytes as int4's are) */
 __attribute__((noinline, target(VNNI_TARGET))) static void panel_tiles_vnni(const Rows *x, int64_t m, Panel p,
-                                                                            int bits, int64_t k, float *y,
-                                                                            int64_t ldy, const float *bias,
-                                                                            const char *next, const float *lo) {
-    if (bits == 4) panel_tiles_vnni_bits(x, m, p, 4, k, y, ldy, bias, next, lo);
-    else if (bits == 5) panel_tiles_vnni_bits(x, m, p, 5, k, y, ldy, bias, next, lo);
-    else panel_tiles_vnni_bits(x, m, p, 8, k, y, ldy, bias, next, lo);
+                                                                            int bits, int zeros, int64_t k,
+                                                                            float *y, int64_t ldy,
+                                                                            const float *bias, const char *next,
+                                                                            const float *lo) {
+    if (bits == 4 && zeros) panel_tiles_vnni_bits(x, m, p, 4, 1, k, y, ldy, bias, next, lo);
+    else if (bits == 4) panel_tiles_vnni_bits(x, m, p, 4, 0, k, y, ldy, bias, next, lo);
+    else if (bits == 5 && zeros) panel_tiles_vnni_bits(x, m, p, 5, 1, k, y, ldy, bias, next, lo);
+    else if (bits == 5) panel_tiles_vnni_bits(x, m, p, 5, 0, k, y, ldy, bias, next, lo);
+    else panel_tiles_vnni_bits(x, m, p, 8, 0, k, y, ldy, bias, next, lo);
 }
 
 /* As tile2 (int16 activations: two planes per row), with VNNI tiles. */
-VNNI_INLINE void tile2_vnni(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, int64_t k_len,
-                            float *y, int64_t ldy, const float *bias, const char *next) {
+VNNI_INLINE void tile2_vnni(const Rows *x, int64_t m0, const int mr, Panel p, const int bits, const int zeros,
+                            int64_t k_len, float *y, int64_t ldy, const float *bias, const char *next) {
     const int64_t groups = k_len / GROUP;
     const int8_t *xr[MR_VNNI], *xl[MR_VNNI];
     __m512 acc[MR_VNNI];
@@ -647,30 +688,34 @@ VNNI_INLINE void tile2_vnni(const Rows *x, int64_t m0, const int mr, Panel p, co
         const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + NB);
         for (int r = 0; r < mr; r++) {
             int64_t i = (m0 + r) * groups + g;
-            __m512i dot = planes_dot_vnni(unshift(t[r], x->shift + i, bits), unshift(l[r], x->lo_shift + i, bits));
-            acc[r] = group_step_vnni(acc[r], dot, x->d[i], x->sx[i], scale, zero);
+            __m512i dot = planes_dot_vnni(tile_sums(t[r], x->shift + i, bits, zeros),
+                                          tile_sums(l[r], x->lo_shift + i, bits, zeros));
+            acc[r] = group_step_vnni(acc[r], dot, x->d[i], x->sx[i], scale, zero, zeros);
         }
     }
     for (int r = 0; r < mr; r++)
         _mm512_storeu_ps(y + r * ldy, bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(bias)) : acc[r]);
 }
 
-VNNI_INLINE void panel_tiles2_vnni_bits(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y,
-                                        int64_t ldy, const float *bias, const char *next) {
+VNNI_INLINE void panel_tiles2_vnni_bits(const Rows *x, int64_t m, Panel p, const int bits, const int zeros,
+                                        int64_t k, float *y, int64_t ldy, const float *bias, const char *next) {
     int64_t m0 = 0;
-    for (; m0 + MR_VNNI <= m; m0 += MR_VNNI, next = 0) tile2_vnni(x, m0, MR_VNNI, p, bits, k, y + m0 * ldy, ldy, bias, next);
-    if (m - m0 >= 4) tile2_vnni(x, m0, 4, p, bits, k, y + m0 * ldy, ldy, bias, next), m0 += 4, next = 0;
-    if (m - m0 >= 2) tile2_vnni(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next), m0 += 2, next = 0;
-    if (m0 < m) tile2_vnni(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
+    for (; m0 + MR_VNNI <= m; m0 += MR_VNNI, next = 0)
+        tile2_vnni(x, m0, MR_VNNI, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next);
+    if (m - m0 >= 4) tile2_vnni(x, m0, 4, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next), m0 += 4, next = 0;
+    if (m - m0 >= 2) tile2_vnni(x, m0, 2, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next), m0 += 2, next = 0;
+    if (m0 < m) tile2_vnni(x, m0, 1, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next);
 }
 
 __attribute__((noinline, target(VNNI_TARGET))) static void panel_tiles2_vnni(const Rows *x, int64_t m, Panel p,
-                                                                             int bits, int64_t k, float *y,
-                                                                             int64_t ldy, const float *bias,
-                                                                             const char *next) {
-    if (bits == 4) panel_tiles2_vnni_bits(x, m, p, 4, k, y, ldy, bias, next);
-    else if (bits == 5) panel_tiles2_vnni_bits(x, m, p, 5, k, y, ldy, bias, next);
-    else panel_tiles2_vnni_bits(x, m, p, 8, k, y, ldy, bias, next);
+                                                                             int bits, int zeros, int64_t k,
+                                                                             float *y, int64_t ldy,
+                                                                             const float *bias, const char *next) {
+    if (bits == 4 && zeros) panel_tiles2_vnni_bits(x, m, p, 4, 1, k, y, ldy, bias, next);
+    else if (bits == 4) panel_tiles2_vnni_bits(x, m, p, 4, 0, k, y, ldy, bias, next);
+    else if (bits == 5 && zeros) panel_tiles2_vnni_bits(x, m, p, 5, 1, k, y, ldy, bias, next);
+    else if (bits == 5) panel_tiles2_vnni_bits(x, m, p, 5, 0, k, y, ldy, bias, next);
+    else panel_tiles2_vnni_bits(x, m, p, 8, 0, k, y, ldy, bias, next);
 }
 
 /* As row_panel (M = 1), with VNNI: a quad's 16 rows in one 512-bit register, one vpdpbusd per
@@ -685,13 +730,12 @@ VNNI_INLINE __m512i quads_vnni(const uint8_t *q, const uint8_t *q5, int64_t k, c
 }
 
 /* zeros8 for a panel's 16 rows. */
-VNNI_INLINE __m512 zeros16(const uint16_t *zero, int64_t i, __m512 scale, const int bits) {
-    if (zero) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zero + i)));
-    return bits == 8 ? _mm512_setzero_ps() : _mm512_mul_ps(scale, _mm512_set1_ps(-(float)(1 << (bits - 1))));
+VNNI_INLINE __m512 zeros16(const uint16_t *zero, int64_t i) {
+    return zero ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zero + i))) : _mm512_setzero_ps();
 }
 
 VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t *scale, const uint16_t *zero,
-                                const int bits, int64_t k_len, float *y, const float *bias) {
+                                const int bits, const int zeros, int64_t k_len, float *y, const float *bias) {
     __m512 acc = _mm512_setzero_ps(), lo = acc;
     for (int64_t g = 0; g < k_len / GROUP; g++) {
         fetch_ahead(q, scale, zero, g, bits);
@@ -709,8 +753,10 @@ VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t 
             if (two) l = dot_vnni(l, w, negative, x->lo + k, bits);
         }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g * NB)));
-        const __m512 z = zeros16(zero, g * NB, s, bits);
-        acc = group_step_vnni(acc, two && !x->wide ? planes_dot_vnni(t, l) : t, x->d[g], x->sx[g], s, z);
+        const __m512 z = zeros16(zero, g * NB);
+        t = centred_vnni(t, x->shift + g, bits, zeros);
+        if (two) l = centred_vnni(l, x->lo_shift + g, bits, zeros);
+        acc = group_step_vnni(acc, two && !x->wide ? planes_dot_vnni(t, l) : t, x->d[g], x->sx[g], s, z, zeros);
         if (two && x->wide) lo = lo_step_vnni(lo, l, x->d[g], s);
     }
     if (x->wide) acc = _mm512_add_ps(acc, lo);
@@ -726,9 +772,12 @@ __attribute__((noinline, target(VNNI_TARGET))) static void gemv_vnni(const Rows 
     for (int64_t nb = 0; nb < n_blocks; nb++) {
         const float *bb = bias ? bias + nb * NB : 0;
         const uint16_t *sb = s + nb * groups * NB, *zb = z ? z + nb * groups * NB : 0;
-        if (bits == 4) row_panel_vnni(x, q + nb * qbytes, sb, zb, 4, k, y + nb * NB, bb);
-        else if (bits == 5) row_panel_vnni(x, q + nb * qbytes, sb, zb, 5, k, y + nb * NB, bb);
-        else row_panel_vnni(x, q + nb * qbytes, sb, zb, 8, k, y + nb * NB, bb);
+        const uint8_t *qb = q + nb * qbytes;
+        if (bits == 4 && z) row_panel_vnni(x, qb, sb, zb, 4, 1, k, y + nb * NB, bb);
+        else if (bits == 4) row_panel_vnni(x, qb, sb, zb, 4, 0, k, y + nb * NB, bb);
+        else if (bits == 5 && z) row_panel_vnni(x, qb, sb, zb, 5, 1, k, y + nb * NB, bb);
+        else if (bits == 5) row_panel_vnni(x, qb, sb, zb, 5, 0, k, y + nb * NB, bb);
+        else row_panel_vnni(x, qb, sb, zb, 8, 0, k, y + nb * NB, bb);
     }
 }
 
@@ -736,22 +785,23 @@ __attribute__((noinline, target(VNNI_TARGET))) static void gemv_vnni(const Rows 
  * size a constant, so each tile keeps its registers); the first tile prefetches `next` (the
  * following panel's levels, or NULL). */
 _Static_assert(MR == 3, "panel_rows tiles the last 1 or 2 rows");
-INLINE void panel_tiles(const Rows *x, int64_t m, Panel p, const int bits, int64_t k, float *y, int64_t ldy,
-                        const float *bias, const char *next, const float *lo) {
+INLINE void panel_tiles(const Rows *x, int64_t m, Panel p, const int bits, const int zeros, int64_t k, float *y,
+                        int64_t ldy, const float *bias, const char *next, const float *lo) {
     int64_t m0 = 0;
     if (use_vnni) {
-        panel_tiles_vnni(x, m, p, bits, k, y, ldy, bias, next, lo);
+        panel_tiles_vnni(x, m, p, bits, zeros, k, y, ldy, bias, next, lo);
         return;
     }
     if (bits == 5) {
-        for (; m0 + 2 <= m; m0 += 2, next = 0) tile5(x, m0, 2, p, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
-        if (m0 < m) tile5(x, m0, 1, p, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        for (; m0 + 2 <= m; m0 += 2, next = 0)
+            tile5(x, m0, 2, p, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        if (m0 < m) tile5(x, m0, 1, p, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
         return;
     }
     for (; m0 + MR <= m; m0 += MR, next = 0)
-        tile(x, m0, MR, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
-    if (m - m0 == 2) tile(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
-    else if (m - m0 == 1) tile(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+        tile(x, m0, MR, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+    if (m - m0 == 2) tile(x, m0, 2, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
+    else if (m - m0 == 1) tile(x, m0, 1, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next, sums_at(lo, m0));
 }
 
 /* Mixed activations: the lists of rows 0 .. m - 1 that have each group wide, rows in order
@@ -792,16 +842,19 @@ static WideRows wide_rows(const Rows *x, int64_t m, int64_t groups) {
 
 /* n (1 .. 3) rows' residual planes of group g against one panel, added to their sums lo [r][16]. */
 INLINE void wide_group(const Rows *x, const int32_t *rows, const int n, const __m256i *qg, int64_t g, __m256 s0,
-                       __m256 s1, const int bits, int64_t k, float *lo) {
+                       __m256 s1, const int bits, const int zeros, int64_t k, float *lo) {
     const int8_t *xl[MR];
     __m256i t[MR][2];
     for (int i = 0; i < n; i++) xl[i] = x->lo + rows[i] * k;
     if (bits == 5) group_dots5(qg, xl, g * GROUP, n, t);
     else group_dots(qg, xl, g * GROUP, n, bits, t);
     for (int i = 0; i < n; i++) {
-        float d = x->d[rows[i] * (k / GROUP) + g], *l = lo + rows[i] * NB;
-        _mm256_store_ps(l, lo_step(_mm256_load_ps(l), widen(t[i][0], bits), d, s0));
-        _mm256_store_ps(l + 8, lo_step(_mm256_load_ps(l + 8), widen(t[i][1], bits), d, s1));
+        const int64_t at = rows[i] * (k / GROUP) + g;
+        float d = x->d[at], *l = lo + rows[i] * NB;
+        _mm256_store_ps(l, lo_step(_mm256_load_ps(l), centred(widen(t[i][0], bits), x->lo_shift + at, bits, zeros),
+                                   d, s0));
+        _mm256_store_ps(l + 8, lo_step(_mm256_load_ps(l + 8),
+                                       centred(widen(t[i][1], bits), x->lo_shift + at, bits, zeros), d, s1));
     }
 }
 
@@ -812,7 +865,8 @@ INLINE void wide_group(const Rows *x, const int32_t *rows, const int n, const __
  * each row's group order, as row_panel sums them; the tiles then store (acc + lo) + bias.
  * (Done after the tiles it had to read their sums back, and y's rows, a multiple of 4 KiB
  * apart, share a few cache sets: that alone cost ~15% of a GEMM with no wide group.) */
-INLINE void wide_pass(const Rows *x, const WideRows *w, int64_t m, Panel p, const int bits, int64_t k) {
+INLINE void wide_pass(const Rows *x, const WideRows *w, int64_t m, Panel p, const int bits, const int zeros,
+                      int64_t k) {
     const int64_t groups = k / GROUP;
     float *lo = w->lo;
     memset(lo, 0, (size_t)m * NB * sizeof(float));
@@ -824,18 +878,18 @@ INLINE void wide_pass(const Rows *x, const WideRows *w, int64_t m, Panel p, cons
         __m256 s0 = _mm256_load_ps(p.sz + g * 2 * NB), s1 = _mm256_load_ps(p.sz + g * 2 * NB + 8);
         int64_t i = 0;
         if (bits == 5) /* group_dots5 takes two rows at most (tile5) */
-            for (; i + 2 <= n; i += 2) wide_group(x, rows + i, 2, qg, g, s0, s1, 5, k, lo);
+            for (; i + 2 <= n; i += 2) wide_group(x, rows + i, 2, qg, g, s0, s1, 5, zeros, k, lo);
         else {
-            for (; i + MR <= n; i += MR) wide_group(x, rows + i, MR, qg, g, s0, s1, bits, k, lo);
-            if (n - i == 2) wide_group(x, rows + i, 2, qg, g, s0, s1, bits, k, lo);
+            for (; i + MR <= n; i += MR) wide_group(x, rows + i, MR, qg, g, s0, s1, bits, zeros, k, lo);
+            if (n - i == 2) wide_group(x, rows + i, 2, qg, g, s0, s1, bits, zeros, k, lo);
         }
-        if (n - i == 1) wide_group(x, rows + i, 1, qg, g, s0, s1, bits, k, lo);
+        if (n - i == 1) wide_group(x, rows + i, 1, qg, g, s0, s1, bits, zeros, k, lo);
     }
 }
 
 /* As wide_group, with VNNI tiles (n rows: 1 .. MR_VNNI). */
 VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const int n, const __m512i *qg, int64_t g,
-                                 __m512 scale, const int bits, int64_t k, float *lo) {
+                                 __m512 scale, const int bits, const int zeros, int64_t k, float *lo) {
     const int8_t *xl[MR_VNNI];
     __m512i t[MR_VNNI];
     for (int i = 0; i < n; i++) xl[i] = x->lo + rows[i] * k;
@@ -843,12 +897,13 @@ VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const int n
     for (int i = 0; i < n; i++) {
         float *l = lo + rows[i] * NB;
         const int64_t at = rows[i] * (k / GROUP) + g;
-        _mm512_storeu_ps(l, lo_step_vnni(_mm512_loadu_ps(l), unshift(t[i], x->lo_shift + at, bits), x->d[at], scale));
+        _mm512_storeu_ps(l, lo_step_vnni(_mm512_loadu_ps(l), tile_sums(t[i], x->lo_shift + at, bits, zeros), x->d[at],
+                                         scale));
     }
 }
 
 VNNI_INLINE void wide_pass_vnni_bits(const Rows *x, const WideRows *w, int64_t m, Panel p, const int bits,
-                                     int64_t k) {
+                                     const int zeros, int64_t k) {
     const int64_t groups = k / GROUP;
     float *lo = w->lo;
     memset(lo, 0, (size_t)m * NB * sizeof(float));
@@ -858,43 +913,45 @@ VNNI_INLINE void wide_pass_vnni_bits(const Rows *x, const WideRows *w, int64_t m
         const __m512i *qg = (const __m512i *)(p.quads + g * 2 * QUADS);
         const __m512 scale = _mm512_loadu_ps(p.sz + g * 2 * NB);
         int64_t i = 0;
-        for (; i + MR_VNNI <= n; i += MR_VNNI) wide_group_vnni(x, rows + i, MR_VNNI, qg, g, scale, bits, k, lo);
-        if (n - i >= 4) wide_group_vnni(x, rows + i, 4, qg, g, scale, bits, k, lo), i += 4;
-        if (n - i >= 2) wide_group_vnni(x, rows + i, 2, qg, g, scale, bits, k, lo), i += 2;
-        if (n - i == 1) wide_group_vnni(x, rows + i, 1, qg, g, scale, bits, k, lo);
+        for (; i + MR_VNNI <= n; i += MR_VNNI) wide_group_vnni(x, rows + i, MR_VNNI, qg, g, scale, bits, zeros, k, lo);
+        if (n - i >= 4) wide_group_vnni(x, rows + i, 4, qg, g, scale, bits, zeros, k, lo), i += 4;
+        if (n - i >= 2) wide_group_vnni(x, rows + i, 2, qg, g, scale, bits, zeros, k, lo), i += 2;
+        if (n - i == 1) wide_group_vnni(x, rows + i, 1, qg, g, scale, bits, zeros, k, lo);
     }
 }
 
 /* As wide_pass, with VNNI tiles. */
 __attribute__((noinline, target(VNNI_TARGET))) static void wide_pass_vnni(const Rows *x, const WideRows *w,
-                                                                          int64_t m, Panel p, int bits,
+                                                                          int64_t m, Panel p, int bits, int zeros,
                                                                           int64_t k) {
-    if (bits == 4) wide_pass_vnni_bits(x, w, m, p, 4, k);
-    else if (bits == 5) wide_pass_vnni_bits(x, w, m, p, 5, k);
-    else wide_pass_vnni_bits(x, w, m, p, 8, k);
+    if (bits == 4 && zeros) wide_pass_vnni_bits(x, w, m, p, 4, 1, k);
+    else if (bits == 4) wide_pass_vnni_bits(x, w, m, p, 4, 0, k);
+    else if (bits == 5 && zeros) wide_pass_vnni_bits(x, w, m, p, 5, 1, k);
+    else if (bits == 5) wide_pass_vnni_bits(x, w, m, p, 5, 0, k);
+    else wide_pass_vnni_bits(x, w, m, p, 8, 0, k);
 }
 
 /* Rows 0 .. m - 1 of x against one panel; with mixed activations (wide: their lists) also the
  * wide groups' residual planes. */
-INLINE void panel_rows(const Rows *x, const WideRows *wide, int64_t m, Panel p, const int bits, int64_t k,
-                       float *y, int64_t ldy, const float *bias, const char *next) {
+INLINE void panel_rows(const Rows *x, const WideRows *wide, int64_t m, Panel p, const int bits, const int zeros,
+                       int64_t k, float *y, int64_t ldy, const float *bias, const char *next) {
     if (wide) {
-        if (use_vnni) wide_pass_vnni(x, wide, m, p, bits, k);
-        else wide_pass(x, wide, m, p, bits, k);
-        panel_tiles(x, m, p, bits, k, y, ldy, bias, next, wide->lo);
+        if (use_vnni) wide_pass_vnni(x, wide, m, p, bits, zeros, k);
+        else wide_pass(x, wide, m, p, bits, zeros, k);
+        panel_tiles(x, m, p, bits, zeros, k, y, ldy, bias, next, wide->lo);
         return;
     }
     if (x->lo && use_vnni) {
-        panel_tiles2_vnni(x, m, p, bits, k, y, ldy, bias, next);
+        panel_tiles2_vnni(x, m, p, bits, zeros, k, y, ldy, bias, next);
         return;
     }
     if (x->lo) {
         int64_t m0 = 0;
-        for (; m0 + 2 <= m; m0 += 2, next = 0) tile2(x, m0, 2, p, bits, k, y + m0 * ldy, ldy, bias, next);
-        if (m0 < m) tile2(x, m0, 1, p, bits, k, y + m0 * ldy, ldy, bias, next);
+        for (; m0 + 2 <= m; m0 += 2, next = 0) tile2(x, m0, 2, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next);
+        if (m0 < m) tile2(x, m0, 1, p, bits, zeros, k, y + m0 * ldy, ldy, bias, next);
         return;
     }
-    panel_tiles(x, m, p, bits, k, y, ldy, bias, next, 0);
+    panel_tiles(x, m, p, bits, zeros, k, y, ldy, bias, next, 0);
 }
 
 static __thread __m256i *scratch;
@@ -929,7 +986,7 @@ static Panel panel_prepare(const uint8_t *q, const uint16_t *scale, const uint16
         for (int h = 0; h < NB; h += 8) {
             __m256 s8 = half8(scale + g * NB + h);
             _mm256_store_ps(sz + g * 2 * NB + h, s8);
-            _mm256_store_ps(sz + g * 2 * NB + NB + h, zeros8(zero, g * NB + h, s8, bits));
+            _mm256_store_ps(sz + g * 2 * NB + NB + h, zeros8(zero, g * NB + h));
         }
     return p;
 }
@@ -965,9 +1022,11 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
             prefetch_bytes(s + (nb + 1) * groups * NB, groups * NB * 2);
             if (z) prefetch_bytes(z + (nb + 1) * groups * NB, groups * NB * 2);
         }
-        if (bits == 4) panel_rows(x, wide, m, p, 4, k, y + nb * NB, ldy, b, next);
-        else if (bits == 5) panel_rows(x, wide, m, p, 5, k, y + nb * NB, ldy, b, next);
-        else panel_rows(x, wide, m, p, 8, k, y + nb * NB, ldy, b, next);
+        if (bits == 4 && z) panel_rows(x, wide, m, p, 4, 1, k, y + nb * NB, ldy, b, next);
+        else if (bits == 4) panel_rows(x, wide, m, p, 4, 0, k, y + nb * NB, ldy, b, next);
+        else if (bits == 5 && z) panel_rows(x, wide, m, p, 5, 1, k, y + nb * NB, ldy, b, next);
+        else if (bits == 5) panel_rows(x, wide, m, p, 5, 0, k, y + nb * NB, ldy, b, next);
+        else panel_rows(x, wide, m, p, 8, 0, k, y + nb * NB, ldy, b, next);
     }
     return failed;
 }
@@ -989,7 +1048,7 @@ static void quantize(const Rows *rows, const float *x, int64_t k, int64_t i) {
 /* Same contract as qlinear (x [m, k], y [m, n_blocks * 16], bias NULL or padded), with the
  * activations quantized to int8 (planes 1), to two int8 planes, about 15 bits (planes 2), or to
  * int8 with a second plane for each row's outlier groups (planes 3, quantize_row_mixed). Unlike
- * qlinear's, z may be NULL: a symmetric grid, whose zeros it computes (zeros8).
+ * qlinear's, z may be NULL: a symmetric grid, whose zero terms it takes in the integer dots (centred).
  * Returns 0, or -1 when its scratch memory cannot be allocated. */
 int64_t qlinear_q8(const float *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
                    const uint16_t *z, int64_t bits, const float *bias, float *y, int64_t planes) {
