@@ -8,7 +8,8 @@ c16 load runs and again while a c1 load runs (128/128 random token prompts, gree
 reads the device worker's `forward` spans from the merged trace:
 - c16: the gap from the end of one forward to the start of the next, while requests run
   (the step result's trip to the API process, planning, and the next plan's trip back), and
-  the planning alone (the scheduler's `schedule` span);
+  the planning alone (the scheduler's `schedule` span), and the batch-16 decode forwards
+  themselves (to set beside `benchmarks.worker_step`'s, timed with the two cores to itself);
 - c1: the median inter-token latency the client saw, less the median decode forward: what
   HTTP, detokenizing, the scheduler and the pipes add to each token.
 Prints median [p10, p90] in milliseconds as JSON.
@@ -66,8 +67,10 @@ async def measure(server: Server, out: Path, requests: int) -> dict:
     decode = [(e - s) / 1000 for s, e, tokens in forwards(c1) if tokens == 1]
     itl = result.itl_ms.p50
     planning = [(e - s) / 1000 for s, e, _ in forwards(c16, "schedule")]
+    full = [(e - s) / 1000 for s, e, tokens in forwards(c16) if tokens == 16]
     return {"c16_gap_between_forwards_ms": quantiles(gaps_ms(forwards(c16))),
             "c16_planning_ms": quantiles(planning),
+            "c16_decode_forward_ms": quantiles(full) if full else None,
             "c1_itl_ms": round(itl, 3), "c1_decode_forward_ms": quantiles(decode),
             "c1_overhead_per_token_ms": round(itl - statistics.median(decode), 3)}
 
