@@ -133,6 +133,17 @@ INLINE __m256i centred(__m256i dot, const int32_t *shift, const int bits, const 
     return zeros || bits == 8 ? dot : _mm256_sub_epi32(dot, _mm256_set1_epi32(centre(shift, bits)));
 }
 
+/* CALL(B, Z) with a panel's width B and whether it has zeros of its own Z as constants, so
+ * that each kind inlines its own loops (int8 panels never have: their zero is 0). */
+#define WITH_GRID(bits, zeros, CALL)                                                                   \
+    do {                                                                                               \
+        if ((bits) == 4 && (zeros)) CALL(4, 1);                                                        \
+        else if ((bits) == 4) CALL(4, 0);                                                              \
+        else if ((bits) == 5 && (zeros)) CALL(5, 1);                                                   \
+        else if ((bits) == 5) CALL(5, 0);                                                              \
+        else CALL(8, 0);                                                                               \
+    } while (0)
+
 /* Mixed activations: a wide group's residual plane (d: the int8 step), summed apart from the
  * int8 steps (wide_pass, row_panel). */
 INLINE __m256 lo_step(__m256 acc, __m256i lo_dot, float d, __m256 scale) {
@@ -340,11 +351,9 @@ static void gemv(const Rows *x, int64_t k, int64_t n_blocks, const uint8_t *q, c
         const float *bb = bias ? bias + nb * NB : 0;
         const uint16_t *zb = z ? z + nb * groups * NB : 0, *sb = s + nb * groups * NB;
         const uint8_t *qb = q + nb * qbytes;
-        if (bits == 4 && z) row_panel(x, qb, sb, zb, 4, 1, k, y + nb * NB, bb);
-        else if (bits == 4) row_panel(x, qb, sb, zb, 4, 0, k, y + nb * NB, bb);
-        else if (bits == 5 && z) row_panel(x, qb, sb, zb, 5, 1, k, y + nb * NB, bb);
-        else if (bits == 5) row_panel(x, qb, sb, zb, 5, 0, k, y + nb * NB, bb);
-        else row_panel(x, qb, sb, zb, 8, 0, k, y + nb * NB, bb);
+#define ROW(B, Z) row_panel(x, qb, sb, zb, B, Z, k, y + nb * NB, bb)
+        WITH_GRID(bits, z != 0, ROW);
+#undef ROW
     }
 }
 
@@ -653,11 +662,9 @@ __attribute__((noinline, target(VNNI_TARGET))) static void panel_tiles_vnni(cons
                                                                             float *y, int64_t ldy,
                                                                             const float *bias, const char *next,
                                                                             const float *lo) {
-    if (bits == 4 && zeros) panel_tiles_vnni_bits(x, m, p, 4, 1, k, y, ldy, bias, next, lo);
-    else if (bits == 4) panel_tiles_vnni_bits(x, m, p, 4, 0, k, y, ldy, bias, next, lo);
-    else if (bits == 5 && zeros) panel_tiles_vnni_bits(x, m, p, 5, 1, k, y, ldy, bias, next, lo);
-    else if (bits == 5) panel_tiles_vnni_bits(x, m, p, 5, 0, k, y, ldy, bias, next, lo);
-    else panel_tiles_vnni_bits(x, m, p, 8, 0, k, y, ldy, bias, next, lo);
+#define TILES(B, Z) panel_tiles_vnni_bits(x, m, p, B, Z, k, y, ldy, bias, next, lo)
+    WITH_GRID(bits, zeros, TILES);
+#undef TILES
 }
 
 /* As tile2 (int16 activations: two planes per row), with VNNI tiles. */
@@ -711,11 +718,9 @@ __attribute__((noinline, target(VNNI_TARGET))) static void panel_tiles2_vnni(con
                                                                              int bits, int zeros, int64_t k,
                                                                              float *y, int64_t ldy,
                                                                              const float *bias, const char *next) {
-    if (bits == 4 && zeros) panel_tiles2_vnni_bits(x, m, p, 4, 1, k, y, ldy, bias, next);
-    else if (bits == 4) panel_tiles2_vnni_bits(x, m, p, 4, 0, k, y, ldy, bias, next);
-    else if (bits == 5 && zeros) panel_tiles2_vnni_bits(x, m, p, 5, 1, k, y, ldy, bias, next);
-    else if (bits == 5) panel_tiles2_vnni_bits(x, m, p, 5, 0, k, y, ldy, bias, next);
-    else panel_tiles2_vnni_bits(x, m, p, 8, 0, k, y, ldy, bias, next);
+#define TILES2(B, Z) panel_tiles2_vnni_bits(x, m, p, B, Z, k, y, ldy, bias, next)
+    WITH_GRID(bits, zeros, TILES2);
+#undef TILES2
 }
 
 /* As row_panel (M = 1), with VNNI: a quad's 16 rows in one 512-bit register, one vpdpbusd per
@@ -773,11 +778,9 @@ __attribute__((noinline, target(VNNI_TARGET))) static void gemv_vnni(const Rows 
         const float *bb = bias ? bias + nb * NB : 0;
         const uint16_t *sb = s + nb * groups * NB, *zb = z ? z + nb * groups * NB : 0;
         const uint8_t *qb = q + nb * qbytes;
-        if (bits == 4 && z) row_panel_vnni(x, qb, sb, zb, 4, 1, k, y + nb * NB, bb);
-        else if (bits == 4) row_panel_vnni(x, qb, sb, zb, 4, 0, k, y + nb * NB, bb);
-        else if (bits == 5 && z) row_panel_vnni(x, qb, sb, zb, 5, 1, k, y + nb * NB, bb);
-        else if (bits == 5) row_panel_vnni(x, qb, sb, zb, 5, 0, k, y + nb * NB, bb);
-        else row_panel_vnni(x, qb, sb, zb, 8, 0, k, y + nb * NB, bb);
+#define ROW(B, Z) row_panel_vnni(x, qb, sb, zb, B, Z, k, y + nb * NB, bb)
+        WITH_GRID(bits, z != 0, ROW);
+#undef ROW
     }
 }
 
@@ -924,11 +927,9 @@ VNNI_INLINE void wide_pass_vnni_bits(const Rows *x, const WideRows *w, int64_t m
 __attribute__((noinline, target(VNNI_TARGET))) static void wide_pass_vnni(const Rows *x, const WideRows *w,
                                                                           int64_t m, Panel p, int bits, int zeros,
                                                                           int64_t k) {
-    if (bits == 4 && zeros) wide_pass_vnni_bits(x, w, m, p, 4, 1, k);
-    else if (bits == 4) wide_pass_vnni_bits(x, w, m, p, 4, 0, k);
-    else if (bits == 5 && zeros) wide_pass_vnni_bits(x, w, m, p, 5, 1, k);
-    else if (bits == 5) wide_pass_vnni_bits(x, w, m, p, 5, 0, k);
-    else wide_pass_vnni_bits(x, w, m, p, 8, 0, k);
+#define WIDE(B, Z) wide_pass_vnni_bits(x, w, m, p, B, Z, k)
+    WITH_GRID(bits, zeros, WIDE);
+#undef WIDE
 }
 
 /* Rows 0 .. m - 1 of x against one panel; with mixed activations (wide: their lists) also the
@@ -1022,11 +1023,9 @@ static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uin
             prefetch_bytes(s + (nb + 1) * groups * NB, groups * NB * 2);
             if (z) prefetch_bytes(z + (nb + 1) * groups * NB, groups * NB * 2);
         }
-        if (bits == 4 && z) panel_rows(x, wide, m, p, 4, 1, k, y + nb * NB, ldy, b, next);
-        else if (bits == 4) panel_rows(x, wide, m, p, 4, 0, k, y + nb * NB, ldy, b, next);
-        else if (bits == 5 && z) panel_rows(x, wide, m, p, 5, 1, k, y + nb * NB, ldy, b, next);
-        else if (bits == 5) panel_rows(x, wide, m, p, 5, 0, k, y + nb * NB, ldy, b, next);
-        else panel_rows(x, wide, m, p, 8, 0, k, y + nb * NB, ldy, b, next);
+#define ROWS(B, Z) panel_rows(x, wide, m, p, B, Z, k, y + nb * NB, ldy, b, next)
+        WITH_GRID(bits, z != 0, ROWS);
+#undef ROWS
     }
     return failed;
 }
