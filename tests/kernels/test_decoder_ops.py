@@ -218,3 +218,18 @@ def test_windowed_decode_rows_do_not_depend_on_the_batch(kv_dtype: torch.dtype) 
         alone = decode_attention_cpu(q[i : i + 1], k, v, slots[i : i + 1, first : lens[i]],
                                      (lens[i : i + 1] - first), 0.125)
         assert torch.equal(together[i : i + 1], alone)
+
+
+@pytest.mark.parametrize("shape", [(64, 4, 4, DIM), (64 * BLOCK, KV_HEADS, DIM)])
+def test_attention_kernels_refuse_caches_the_heads_cannot_share(shape: tuple[int, ...]) -> None:
+    """Caches whose kv heads do not divide the queries' heads (6 over 4), or without the block
+    axis, are refused with a ValueError; the kernel would have divided by zero or read past the
+    cache, and taken the process down."""
+    from pypto_serving.kernels.cpu.decoder import decode_attention_cpu, prefill_attention_cpu
+
+    cache = torch.zeros(shape, dtype=torch.float16)
+    slots = torch.arange(8).repeat(2, 1)
+    with pytest.raises(ValueError, match="kv heads|KV caches"):
+        decode_attention_cpu(torch.randn(2, HEADS, DIM), cache, cache, slots, torch.tensor([8, 8]), 0.125)
+    with pytest.raises(ValueError, match="kv heads|KV caches"):
+        prefill_attention_cpu(torch.randn(8, HEADS, DIM), cache, cache, torch.arange(8), 0.125)

@@ -126,7 +126,7 @@ def decode_attention_cpu(
     """q [b, heads, d] (rows may be strided), slots [b, L] padded, lens [b] -> [b, heads, d];
     with `window`, each query sees the last `window` keys of its context only."""
     b, heads, d = q.shape
-    _check_inputs("decode_attention_cpu", k_cache, v_cache, d)
+    _check_inputs("decode_attention_cpu", k_cache, v_cache, heads, d)
     slots, lens = slots.contiguous(), lens.contiguous()  # slots is often a cut of wider block rows
     out = torch.empty(b, heads, d)
     scores = torch.empty(library().decode_scores_len(b, heads, slots.shape[1]))
@@ -144,7 +144,7 @@ def prefill_attention_cpu(
     slots [L] -> [n, heads, d], causal (and within `window` positions, when given); each row
     exactly as `decode_attention_cpu` gives it."""
     n, heads, d = q.shape
-    _check_inputs("prefill_attention_cpu", k_cache, v_cache, d)
+    _check_inputs("prefill_attention_cpu", k_cache, v_cache, heads, d)
     if ctx_slots.dtype != torch.int64 or ctx_slots.shape[0] < n:
         raise ValueError(f"prefill_attention_cpu needs int64 context slots for at least the chunk's {n} rows")
     if q.stride()[1:] != (d, 1):
@@ -160,16 +160,21 @@ def prefill_attention_cpu(
     return out
 
 
-def _check_inputs(kernel: str, k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> None:
+def _check_inputs(kernel: str, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, d: int) -> None:
     """The C attention takes head_dim d <= MAX_HEAD_DIM (a multiple of 8) and reads contiguous
-    float32 or float16 caches [..., kv_heads, d]."""
+    float32 or float16 caches [blocks, block_size, kv_heads, d], kv_heads dividing the queries'
+    heads (the kernel shares each kv head among heads / kv_heads of them: a shape off that would
+    divide by zero or read past the cache, taking the process down)."""
     if d > MAX_HEAD_DIM or d % 8:
         raise ValueError(f"{kernel} takes head_dim <= {MAX_HEAD_DIM} and a multiple of 8, got {d}")
     for cache in (k_cache, v_cache):
-        usable = cache.dtype in (torch.float32, torch.float16) and cache.is_contiguous()
-        if not usable or cache.shape[-1] != d:
-            raise ValueError("the C attention takes contiguous float32 or float16 KV caches of the queries' "
-                             f"head_dim, got {cache.dtype} {tuple(cache.shape)}")
+        usable = cache.dtype in (torch.float32, torch.float16) and cache.is_contiguous() and cache.dim() == 4
+        if not usable or cache.shape[-1] != d or cache.shape != k_cache.shape:
+            raise ValueError("the C attention takes contiguous float32 or float16 KV caches [blocks, block_size, "
+                             f"kv_heads, head_dim] of the queries' head_dim, got {cache.dtype} {tuple(cache.shape)}")
+    kv_heads = k_cache.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{kernel}: {heads} query heads cannot share {kv_heads} kv heads evenly")
 
 
 def fp32_rows(c_kernel: Callable, portable: Callable) -> Callable:
