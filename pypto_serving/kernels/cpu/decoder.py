@@ -170,8 +170,9 @@ def _check_inputs(kernel: str, k_cache: torch.Tensor, v_cache: torch.Tensor, hea
     for cache in (k_cache, v_cache):
         usable = cache.dtype in (torch.float32, torch.float16) and cache.is_contiguous() and cache.dim() == 4
         if not usable or cache.shape[-1] != d or cache.shape != k_cache.shape:
-            raise ValueError("the C attention takes contiguous float32 or float16 KV caches [blocks, block_size, "
-                             f"kv_heads, head_dim] of the queries' head_dim, got {cache.dtype} {tuple(cache.shape)}")
+            raise ValueError("the C attention takes contiguous float32 or float16 KV caches [blocks, "
+                             "block_size, kv_heads, head_dim] of the queries' head_dim, got "
+                             f"{cache.dtype} {tuple(cache.shape)}")
     kv_heads = k_cache.shape[2]
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"{kernel}: {heads} query heads cannot share {kv_heads} kv heads evenly")
