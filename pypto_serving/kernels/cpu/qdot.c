@@ -540,7 +540,8 @@ INLINE const float *sums_at(const float *lo, int64_t m0) { return lo ? lo + m0 *
  * rows of the panel) by a row's 4 inputs broadcast and adds each row's four products to its
  * int32 sum, in one instruction where AVX2 takes two vpmaddubsw, their adds and the widening
  * per 16 rows. The integer sums are the same and so is the epilogue, lane by lane (one fma for
- * the scale, one for the zero, in group order), so the results equal tile's bit for bit. int8
+ * the scale and, on a grid with zeros of its own, one for the zero, in group order), so the
+ * results equal tile's bit for bit. int8
  * levels are signed: at M > 1 they are flipped to unsigned (w + 128) and each group's sums
  * lose 128 * the inputs' sum again (tile_levels_vnni, unshift); at M = 1 their magnitudes
  * meet the inputs negated where a level is negative, as vpsignb does in quad_dot. */
@@ -958,8 +959,9 @@ INLINE void panel_rows(const Rows *x, const WideRows *wide, int64_t m, Panel p, 
 static __thread __m256i *scratch;
 static __thread int64_t scratch_len;
 
-/* The panel's quads (int4, int5: unpacked into this thread's scratch) and its scales and zeros
- * as floats in that scratch; .quads NULL when out of memory. */
+/* The panel's quads (int4, int5: unpacked into this thread's scratch) and its scales and, where
+ * it has zeros of its own, its zeros as floats in that scratch (a symmetric grid's zero terms
+ * are in the dots: no tile reads its zeros); .quads NULL when out of memory. */
 static Panel panel_prepare(const uint8_t *q, const uint16_t *scale, const uint16_t *zero, int bits, int64_t k) {
     int64_t groups = k / GROUP, levels = bits == 8 ? 0 : k / 2;
     int64_t need = levels + groups * 4; /* 4 registers' worth of floats per group */
@@ -987,7 +989,7 @@ static Panel panel_prepare(const uint8_t *q, const uint16_t *scale, const uint16
         for (int h = 0; h < NB; h += 8) {
             __m256 s8 = half8(scale + g * NB + h);
             _mm256_store_ps(sz + g * 2 * NB + h, s8);
-            _mm256_store_ps(sz + g * 2 * NB + NB + h, zeros8(zero, g * NB + h));
+            if (zero) _mm256_store_ps(sz + g * 2 * NB + NB + h, half8(zero + g * NB + h));
         }
     return p;
 }
