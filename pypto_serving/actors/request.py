@@ -277,7 +277,8 @@ class RequestStream:
         reason = "stop" if stopped else msg.finish_reason or "error"
         if msg.finish_reason is None:  # a stop string, or malformed tool-call output
             self.scheduler.tell(Abort(self.seq_id, reason))
-        return Finished(reason, prompt_tokens, count, msg.num_cached_tokens, msg.error, self._error_type)
+        return Finished(reason, prompt_tokens, count, msg.num_cached_tokens, msg.error, self._error_type,
+                        cache_writes=msg.num_cache_writes)
 
     @staticmethod
     def _parsed(done: Finished, end: ReplyEnd, error: str | None) -> Finished:

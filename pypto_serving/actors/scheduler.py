@@ -175,9 +175,16 @@ class SchedulerActor(Actor[SchedulerInbox]):
         seq = event.seq
         msg = Tokens(seq.seq_id, (event.token_id,), event.finish_reason, logprobs=(event.logprob,),
                      top_logprobs=(event.top_logprobs,), prompt_logprobs=event.prompt_logprobs,
-                     num_cached_tokens=seq.num_cached_tokens or 0)
+                     num_cached_tokens=seq.num_cached_tokens or 0, num_cache_writes=self._cache_writes(event))
         untold = self._untold.get(seq.seq_id)
         self._untold[seq.seq_id] = (reply_to, msg if untold is None else _merged(untold[1], msg))
+
+    def _cache_writes(self, event: TokenEvent) -> int:
+        """So far, or in all once it ended (a reply a stop string ends takes the latest)."""
+        seq = event.seq
+        if event.finish_reason:
+            return seq.num_cache_writes
+        return self.scheduler.allocator.cache_writes(seq.seq_id)
 
     def _tell_slice(self) -> None:
         """Tells the next DELIVERY_SLICE streams their tokens; the rest on the loop's next turn."""
@@ -214,7 +221,8 @@ class SchedulerActor(Actor[SchedulerInbox]):
         reply_to = self._reply_to.pop(seq.seq_id, None)
         if reply_to is not None:
             reply_to.tell(Tokens(seq.seq_id, (), seq.finish_reason,
-                                 num_cached_tokens=seq.num_cached_tokens or 0, error=error))
+                                 num_cached_tokens=seq.num_cached_tokens or 0,
+                                 num_cache_writes=seq.num_cache_writes, error=error))
 
     def die(self, reason: str) -> None:
         """Engine death: every sequence ends with `error` and frees its blocks (the KV cache
@@ -232,4 +240,5 @@ def _merged(earlier: Tokens, later: Tokens) -> Tokens:
                   logprobs=earlier.logprobs + later.logprobs,
                   top_logprobs=earlier.top_logprobs + later.top_logprobs,
                   prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
-                  num_cached_tokens=later.num_cached_tokens, error=later.error)
+                  num_cached_tokens=later.num_cached_tokens, num_cache_writes=later.num_cache_writes,
+                  error=later.error)

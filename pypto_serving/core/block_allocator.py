@@ -78,6 +78,7 @@ class BlockAllocator:
         self._owners: dict[int, _Owner] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of which found
+        self._written: dict[int, int] = {}  # seq id -> prompt tokens it put into the cache
 
     # -- queries -------------------------------------------------------------
     @property
@@ -98,6 +99,15 @@ class BlockAllocator:
     @property
     def num_owners(self) -> int:
         return len(self._owners)
+
+    def cache_writes(self, seq_id: int) -> int:
+        """The prompt tokens a sequence has put into the prefix cache so far (blocks no other
+        sequence had registered), over all its admissions."""
+        return self._written.get(seq_id, 0)
+
+    def take_cache_writes(self, seq_id: int) -> int:
+        """`cache_writes`, forgotten: asked once, when the sequence ends."""
+        return self._written.pop(seq_id, 0)
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's blocks in position order (read only: the allocator's own list)."""
@@ -137,7 +147,7 @@ class BlockAllocator:
 
     def _grow(self, demand: Demand, running: list[int], preempted: list[int]) -> Grant | None:
         owner = self._owners[demand.seq_id]
-        self._register(owner, demand.num_computed)
+        self._register(demand.seq_id, owner, demand.num_computed)
         need = self.blocks_for(demand.num_tokens) - len(owner.block_ids)
         while need > self.num_available:
             victim = self._pick_victim(running, preempted)
@@ -187,7 +197,7 @@ class BlockAllocator:
             hits.append(block)
         return hits
 
-    def _register(self, owner: _Owner, num_computed: int) -> None:
+    def _register(self, seq_id: int, owner: _Owner, num_computed: int) -> None:
         if not self.enable_prefix_caching or owner.num_registered >= len(owner.prompt_hashes):
             return  # nothing to register, or every prompt block registered already
         full = min(num_computed // self.block_size, len(owner.prompt_hashes))
@@ -196,6 +206,7 @@ class BlockAllocator:
             if block_hash not in self._block_of and block not in self._hash_of:
                 self._block_of[block_hash] = block
                 self._hash_of[block] = block_hash
+                self._written[seq_id] = self._written.get(seq_id, 0) + self.block_size
         owner.num_registered = max(owner.num_registered, full)
 
     # -- block bookkeeping ----------------------------------------------------
@@ -218,7 +229,7 @@ class BlockAllocator:
         owner = self._owners.pop(seq_id, None)
         if owner is None:
             return
-        self._register(owner, num_computed)
+        self._register(seq_id, owner, num_computed)
         for block in reversed(owner.block_ids):  # tail blocks evicted first
             self._refs[block] -= 1
             if self._refs[block] == 0:

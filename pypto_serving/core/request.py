@@ -161,3 +161,4 @@ class Finished:
     error_type: str = "engine_error"  # or invalid_model_output (unparsable tool calls), timeout
     tool_calls: tuple[ToolCall, ...] = ()  # the complete calls, with finish_reason tool_calls
     cut_call: str = ""  # the text of a call max_tokens cut off: content in a reply not streamed
+    cache_writes: int = 0  # prompt tokens the request put into the prefix cache

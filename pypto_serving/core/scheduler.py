@@ -109,6 +109,7 @@ class Scheduler:
         if seq.num_cached_tokens is not None:  # admitted once (maybe preempted since): the
             self._dropped.append(seq_id)  # worker holds its state
         self.allocator.free(seq_id, seq.num_computed)
+        seq.num_cache_writes = self.allocator.take_cache_writes(seq_id)
         seq.finish(reason)
         return seq
 
@@ -352,6 +353,7 @@ class Scheduler:
         del self._by_id[seq.seq_id]
         self._dropped.append(seq.seq_id)
         self.allocator.free(seq.seq_id, seq.num_computed)
+        seq.num_cache_writes = self.allocator.take_cache_writes(seq.seq_id)
         seq.finish(reason)
 
     def fail_all(self, reason: str) -> list[Sequence]:

@@ -34,6 +34,7 @@ class Sequence:
     num_sent_blocks: int = 0  # block-table prefix the device worker already has
     needs_reset: bool = True  # the worker must (re)start this sequence on its next chunk
     num_cached_tokens: int | None = None  # prefix-cache hit on first admission
+    num_cache_writes: int = 0  # prompt tokens it put into the prefix cache (known at its end)
     num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None

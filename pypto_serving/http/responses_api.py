@@ -125,6 +125,7 @@ OutputItem = MessageItem | ReasoningItem | FunctionCallItem
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int
+    cache_write_tokens: int = 0  # what the prompt put into the prefix cache
 
 
 class OutputTokensDetails(msgspec.Struct):
@@ -383,7 +384,7 @@ class ResponseBuilder:
         if done is not None:
             usage = ResponsesUsage(done.prompt_tokens, done.completion_tokens,
                                    done.prompt_tokens + done.completion_tokens,
-                                   InputTokensDetails(done.cached_tokens))
+                                   InputTokensDetails(done.cached_tokens, done.cache_writes))
         status = status or ("incomplete" if self._incomplete() else "completed")
         return Response(
             self.id, self.created_at, self.model, status, self.items() if done else [],

@@ -181,6 +181,25 @@ def test_prefix_cache_reuse_across_requests():
     assert h.alloc.prefix_hits == 12 and h.alloc.prefix_queries == 14 + 15
 
 
+def test_a_sequence_counts_the_prompt_blocks_it_put_into_the_prefix_cache():
+    h = Harness(block_size=4)
+    first = Sequence(0, tuple(range(100, 114)), 2)  # 14 tokens: 3 full blocks
+    h.sched.add(first)
+    h.run()
+    second = Sequence(1, tuple(range(100, 112)) + (5, 6, 7, 8, 9), 2)  # 3 blocks cached, 1 new
+    twin = Sequence(2, tuple(range(100, 114)), 2)  # all of first's blocks, nothing new
+    h.sched.add(second)
+    h.sched.add(twin)
+    h.run()
+    assert (first.num_cache_writes, second.num_cache_writes, twin.num_cache_writes) == (12, 4, 0)
+    assert second.num_cached_tokens == 12 and twin.num_cached_tokens == 12
+    off = Harness(block_size=4, prefix=False)
+    alone = Sequence(0, tuple(range(100, 114)), 2)
+    off.sched.add(alone)
+    off.run()
+    assert alone.num_cache_writes == 0
+
+
 def test_identical_prompt_leaves_one_token_to_compute():
     h = Harness(block_size=4)
     for i in range(2):

@@ -85,6 +85,18 @@ async def test_a_function_output_continues_the_stored_conversation(qwen: Scripte
     assert missing.status == 400 and missing_body["param"] == "previous_response_id"
 
 
+async def test_usage_counts_the_prompt_tokens_read_from_and_written_to_the_prefix_cache(qwen: ScriptedServer):
+    question = "Which tool tells the weather? Answer in one word, after thinking it over. " * 3
+    async with qwen as client:
+        qwen.say("A tool.")
+        first = (await respond(client, input=question))["usage"]["input_tokens_details"]
+        qwen.say("A tool.")
+        again = (await respond(client, input=question))["usage"]["input_tokens_details"]
+    # the first request computed the prompt and left its full blocks for the next one
+    assert first["cached_tokens"] == 0 and first["cache_write_tokens"] >= again["cached_tokens"] > 0
+    assert again["cache_write_tokens"] == 0
+
+
 async def test_fields_that_ask_for_what_is_not_implemented_are_400s(qwen: ScriptedServer):
     qwen.say("Hello.")
     schema = {"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}}}
