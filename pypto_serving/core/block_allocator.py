@@ -100,6 +100,11 @@ class BlockAllocator:
     def num_owners(self) -> int:
         return len(self._owners)
 
+    @property
+    def num_counting_writes(self) -> int:
+        """Sequences whose prefix-cache writes are counted and not yet taken."""
+        return len(self._written)
+
     def cache_writes(self, seq_id: int) -> int:
         """The prompt tokens a sequence has put into the prefix cache so far (blocks no other
         sequence had registered), over all its admissions."""

@@ -182,6 +182,9 @@ class Scheduler:
         self.allocator.check_integrity()
         if self.allocator.num_owners:
             raise AssertionError(f"{self.allocator.num_owners} block tables outlived their sequences")
+        if self.allocator.num_counting_writes:
+            raise AssertionError(
+                f"{self.allocator.num_counting_writes} cache-write counts outlived their sequences")
 
     def _propose(self) -> list[Demand]:
         budget = self.config.max_num_batched_tokens
