@@ -1050,8 +1050,8 @@ static void quantize(const Rows *rows, const float *x, int64_t k, int64_t i) {
 /* Up to this many inputs (m * k), as a decode step's rows have, every thread quantizes all of
  * them into a buffer of its own and goes on to the panels without waiting for the others:
  * quantizing 16 rows of 576 takes ~2.5 us on one thread, less than the barrier after splitting
- * them cost (SmolLM2's batch-8 and batch-16 decode steps 2.4-3.5% faster; twice this limit
- * gained nothing more). The same bytes either way. */
+ * them cost (SmolLM2's batch-8 and batch-16 decode steps 2.4-3.5% faster alone, within the
+ * noise through the server; twice this limit gained nothing more). The same bytes either way. */
 #define OWN_ROWS 16384
 
 /* Same contract as qlinear (x [m, k], y [m, n_blocks * 16], bias NULL or padded), with the
