@@ -108,8 +108,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.num_cached_tokens is not None:  # admitted once (maybe preempted since): the
             self._dropped.append(seq_id)  # worker holds its state
-        self.allocator.free(seq_id, seq.num_computed)
-        seq.num_cache_writes = self.allocator.take_cache_writes(seq_id)
+        self._free(seq)
         seq.finish(reason)
         return seq
 
@@ -355,9 +354,14 @@ class Scheduler:
         self.running.remove(seq)
         del self._by_id[seq.seq_id]
         self._dropped.append(seq.seq_id)
+        self._free(seq)
+        seq.finish(reason)
+
+    def _free(self, seq: Sequence) -> None:
+        """An ending sequence's blocks back (its computed prompt blocks stay cached), and the
+        count of what its prompt put into the prefix cache taken."""
         self.allocator.free(seq.seq_id, seq.num_computed)
         seq.num_cache_writes = self.allocator.take_cache_writes(seq.seq_id)
-        seq.finish(reason)
 
     def fail_all(self, reason: str) -> list[Sequence]:
         """Ends every sequence (shutdown, engine death) and frees its blocks; returns them

@@ -36,7 +36,7 @@ class Tokens(msgspec.Struct, frozen=True):
     # with the first token, when asked: (logprob, rank, top-k) of prompt tokens 1, 2, ...
     prompt_logprobs: tuple[tuple[float, int, list[TopLogprob]], ...] = ()
     num_cached_tokens: int = 0
-    num_cache_writes: int = 0  # prompt tokens put into the prefix cache, on the last message
+    num_cache_writes: int = 0  # prompt tokens put into the prefix cache so far (all of them on the last)
     error: str | None = None
 
 

@@ -996,8 +996,8 @@ static Panel panel_prepare(const uint8_t *q, const uint16_t *scale, const uint16
 
 /* This thread's share of the panels against m rows of x, inside a parallel region: threads
  * go on to their next call without waiting for each other. Every thread of the team calls it
- * (x->q NULL: this thread has no rows, and computes nothing). Returns nonzero when its scratch
- * cannot be allocated. */
+ * (x->q NULL: this thread got no buffer for its rows, takes its panels and computes none of
+ * them). Returns nonzero when its scratch cannot be allocated, or x->q is NULL. */
 static int gemm(const Rows *x, int64_t m, int64_t k, int64_t n_blocks, const uint8_t *q, const uint16_t *s,
                 const uint16_t *z, int bits, const float *bias, float *y, int64_t ldy) {
     int64_t groups = k / GROUP, qbytes = k * bits * 2;
