@@ -42,6 +42,9 @@ MODELS = {
 }
 
 
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     name: str
@@ -61,6 +64,8 @@ def workloads(num_prompts_scale: float) -> list[Workload]:
         Workload("c16 shared 400+64/128", replace(base, concurrency=16, num_prompts=16, warmup=0,
                                                  dataset="shared-prefix", prefix_len=400, input_len=64),
                  servers=("ours", "ours-base", "ours-int8", "ours-int16", "ours-no-prefix-cache", "llama")),
+        # random sampling with llama.cpp's default settings spelled out, so that both servers cut alike
+        Workload("c16 128/128 sampled", replace(base, concurrency=16, num_prompts=n(32), **SAMPLED)),
     ]
 
 

@@ -55,6 +55,9 @@ class BenchConfig:
     vocab_high: int = 20000
     ignore_eos: bool = True
     temperature: float = 0.0
+    top_p: float | None = None  # None: left out of the request (the server's default)
+    top_k: int | None = None
+    min_p: float | None = None
     warmup: int = 2
     server_pid: int | None = None
     timeout_s: float = 600.0
@@ -172,6 +175,9 @@ def build_payload(cfg: BenchConfig, prompt: list[int] | str) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    for name in ("top_p", "top_k", "min_p"):
+        if getattr(cfg, name) is not None:
+            payload[name] = getattr(cfg, name)
     if cfg.ignore_eos:
         payload["ignore_eos"] = True
     if cfg.model:
@@ -490,6 +496,9 @@ def _add_load_args(parser: argparse.ArgumentParser) -> None:
                         help="Poisson arrivals per second (default inf: all at once)")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted requests sent first")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
 
 

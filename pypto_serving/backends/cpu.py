@@ -20,6 +20,7 @@ from pypto_serving.backends.cpu_stack import DecoderStack
 from pypto_serving.backends.portable import KVCache, PortableBackend, StackRunner
 from pypto_serving.kernels import cpu
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
+from pypto_serving.kernels.sampling import SamplingTensors
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import LayerFactory, QuantKernels
 from pypto_serving.process import heap
@@ -94,6 +95,15 @@ class CpuBackend(PortableBackend):
 
             return argmax_cpu(logits)
         return super().argmax(logits)
+
+    def draw(self, logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
+        """The C sampler for float32 rows: torch's sort and per-token noise cost a batch-16
+        SmolLM2 step more than its forward (kernels/cpu/sampling.c)."""
+        if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] and cpu.available():
+            from pypto_serving.kernels.cpu.sampling import draw_cpu
+
+            return draw_cpu(logits, t, u)
+        return super().draw(logits, t, u)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return lazy_zeros(shape, dtype)

@@ -22,6 +22,7 @@ from pypto_serving.backends.budget import KVBudget, host_budget
 from pypto_serving.backends.graphs import NO_GRAPHS, GraphSpec
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
+from pypto_serving.kernels.sampling import SamplingTensors, draw_portable
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import ACTIVATION_QUANTIZATIONS, PORTABLE_KERNELS, LayerFactory, QuantKernels
 
@@ -91,6 +92,10 @@ class PortableBackend:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
+
+    def draw(self, logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' tokens (kernels/sampling.py's `Draw`)."""
+        return draw_portable(logits, t, u)
 
     # -- memory ------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,8 +1,11 @@
 """Batched sampler: one row of logits per sampled sequence.
 
 Order (as vLLM v1): grammar mask -> min_tokens EOS mask -> penalties -> greedy argmax, or
-temperature -> min-p -> top-k/top-p -> exponential race. Each sampled row draws its noise from
-its own `torch.Generator`, so a seeded row gives the same tokens alone or in any batch.
+temperature -> min-p -> top-k/top-p -> one draw. Each sampled row draws one uniform number a
+step from its own `torch.Generator`, so a seeded row gives the same tokens alone or in any
+batch; the token is the first whose running sum of kept probabilities passes it (inverse
+transform sampling: one random number a row, where noise for every token cost ~1 ms a row of
+a 49152-token vocabulary on the CPU). A backend may bring its own `Draw` (the CPU's is in C).
 Logprobs are those of the model's raw logits (log_softmax before any processing, the grammar
 mask included): a constrained token's logprob is what the model gave it, unconstrained.
 """
@@ -47,6 +50,12 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, k]
 
 
+Draw = Callable[[torch.Tensor, SamplingTensors, torch.Tensor], torch.Tensor]
+"""(the logits after masks and penalties [B, V] float32, the settings, a uniform draw in
+[0, 1) per row [B] float64) -> [B] int64, as `draw_portable`; rows whose temperature is 0 may
+answer anything (`sample` takes their argmax)"""
+
+
 def argmax_only(t: SamplingTensors) -> bool:
     """Whether every row's token is its raw logits' argmax, and nothing else is wanted of them
     (greedy, no mask, no penalty, no logprobs)."""
@@ -59,9 +68,10 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors, argmax: Argmax = greedy) -> SamplerOutput:
-    """logits [B, V] -> one token per row (plus logprobs when asked); `argmax` is the
-    backend's (greedy rows)."""
+def sample(logits: torch.Tensor, t: SamplingTensors, argmax: Argmax = greedy,
+           draw: Draw | None = None) -> SamplerOutput:
+    """logits [B, V] -> one token per row (plus logprobs when asked); `argmax` (greedy rows)
+    and `draw` (the others; default `draw_portable`) are the backend's."""
     logits = logits.float()
     raw = logits
     if t.grammar_rows is not None:
@@ -72,7 +82,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors, argmax: Argmax = greedy) ->
         logits = apply_penalties(logits, t)
     tokens = argmax(logits)
     if not t.all_greedy:
-        sampled = random_sample(process_for_sampling(logits, t), t.generators)
+        sampled = (draw or draw_portable)(logits, t, uniforms(t.generators, logits.device))
         tokens = torch.where(t.temperature > 0, sampled, tokens)
     return _with_logprobs(raw, tokens, t)
 
@@ -134,15 +144,25 @@ def apply_top_k_top_p(
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def random_sample(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Exponential race: argmax(p / E), E ~ Exp(1), is a draw from p (Gumbel-max in disguise)."""
-    probs = logits.softmax(dim=-1)
-    noise = torch.ones_like(probs)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    # An exact 0 draw would turn a removed token's 0 / 0 into NaN, which argmax picks.
-    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[B] float64 on `device`: a draw in [0, 1) from each row's generator (0 for greedy rows)."""
+    draws = [torch.rand((), dtype=torch.float64, generator=g, device=g.device) if g is not None
+             else torch.zeros((), dtype=torch.float64, device=device) for g in generators]
+    return torch.stack([d.to(device) for d in draws])
+
+
+def draw_portable(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from its processed distribution: the first whose running sum of
+    probabilities passes u times their total (u [B] in [0, 1)). A row with nothing to weigh
+    (a NaN, or every token removed) takes its argmax, as the greedy path would."""
+    processed = process_for_sampling(logits, t)
+    probs = processed.softmax(dim=-1, dtype=torch.float64)
+    running = probs.cumsum(dim=-1)
+    target = (u * running[:, -1]).unsqueeze(1)
+    tokens = torch.searchsorted(running, target, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
+    nothing = processed.isnan().any(dim=-1) | (processed.amax(dim=-1) == float("-inf"))
+    return torch.where(nothing, logits.argmax(dim=-1), tokens)
+
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, t: SamplingTensors) -> SamplerOutput:

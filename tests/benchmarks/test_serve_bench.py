@@ -120,6 +120,15 @@ async def test_payload(base_url: str, spec: FakeSpec) -> None:
     assert (body["max_tokens"], body["ignore_eos"], body["model"], body["temperature"]) == (5, True, "m", 0.0)
 
 
+async def test_sampling_settings_are_sent_when_set_only(base_url: str, spec: FakeSpec) -> None:
+    settings = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    await run_benchmark(_cfg(base_url, num_prompts=1, warmup=0, **settings))
+    await run_benchmark(_cfg(base_url, num_prompts=1, warmup=0))
+    sampled, plain = spec.bodies
+    assert {name: sampled[name] for name in settings} == settings
+    assert not {"top_k", "top_p", "min_p"} & plain.keys()
+
+
 async def test_missing_usage_falls_back_to_chunks(base_url: str, spec: FakeSpec) -> None:
     spec.send_usage = False
     result = await run_benchmark(_cfg(base_url, num_prompts=2, warmup=0, request_rate=50.0))
@@ -169,8 +178,10 @@ def test_shared_prefix_prompts_share_prefix() -> None:
 
 def test_cli_maps_to_config() -> None:
     args = build_parser().parse_args(["--base-url", "http://h:1", "--dataset", "shared-prefix",
-                                      "--no-ignore-eos", "--request-rate", "4", "--timeout", "9"])
+                                      "--no-ignore-eos", "--request-rate", "4", "--timeout", "9",
+                                      "--top-p", "0.9", "--top-k", "20"])
     cfg = config_from_args(args)
+    assert (cfg.top_p, cfg.top_k, cfg.min_p) == (0.9, 20, None)
     assert (cfg.base_url, cfg.dataset, cfg.ignore_eos, cfg.request_rate, cfg.timeout_s) == (
         "http://h:1", "shared-prefix", False, 4.0, 9.0)
     assert (cfg.input_len, cfg.output_len, cfg.prefix_len, cfg.concurrency, cfg.warmup) == (

@@ -9,13 +9,32 @@ import torch
 from msgspec.structs import replace
 
 from pypto_serving.core.sampling_params import SamplingParams
-from pypto_serving.kernels.sampling import SamplerOutput, apply_penalties, sample
+from pypto_serving.kernels import cpu
+from pypto_serving.kernels.sampling import Draw, SamplerOutput, apply_penalties, draw_portable, sample
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, make_generator
 
 CPU = torch.device("cpu")
 PROBS = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
 LOGITS = PROBS.log()
+needs_c = pytest.mark.skipif(not cpu.available(), reason="the C kernels do not run here")
+
+
+def draw_c(logits: torch.Tensor, t, u: torch.Tensor) -> torch.Tensor:
+    from pypto_serving.kernels.cpu.sampling import draw_cpu
+
+    return draw_cpu(logits, t, u)
+
+
+DRAWS: dict[str, Draw] = {"portable": draw_portable, "c": draw_c}
+DRAW: list[Draw] = [draw_portable]  # the one `run` uses: every test here runs with each
+
+
+@pytest.fixture(autouse=True, params=["portable", pytest.param("c", marks=needs_c)])
+def each_draw(request):
+    DRAW[0] = DRAWS[request.param]
+    yield
+    DRAW[0] = draw_portable
 
 
 def states(
@@ -26,7 +45,7 @@ def states(
 
 
 def run(logits: torch.Tensor, seqs: list[SeqState]) -> SamplerOutput:
-    return sample(logits, sampling_tensors(seqs, logits.shape[1], CPU))
+    return sample(logits, sampling_tensors(seqs, logits.shape[1], CPU), draw=DRAW[0])
 
 
 def draws(params: SamplingParams, n: int = 2000, logits: torch.Tensor = LOGITS) -> torch.Tensor:
@@ -198,3 +217,57 @@ def test_a_seeded_request_repeats_its_draws_step_after_step() -> None:
         seq = states([SamplingParams(temperature=1.0, seed=1234)])
         runs.append([run(logits, seq).token_ids.item() for logits in steps])
     assert runs[0] == runs[1] and len(set(runs[0])) > 5
+
+
+def midpoints(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each token the portable draw gives `logits` [V] under `params` with a chance of
+    1e-4 or more, the uniform draw in the middle of its share: (the tokens, the draws), in
+    vocabulary order (a share that narrow lies far wider than any rounding's reach)."""
+    t = sampling_tensors(states([params]), logits.shape[0], CPU)
+    from pypto_serving.kernels.sampling import process_for_sampling
+
+    probs = process_for_sampling(logits[None], t).softmax(dim=-1, dtype=torch.float64)[0]
+    running = probs.cumsum(0)
+    tokens = (probs / running[-1] >= 1e-4).nonzero()[:, 0]
+    middle = (running[tokens] - probs[tokens] / 2) / running[-1]
+    return tokens, middle
+
+
+@needs_c
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.3),
+    SamplingParams(temperature=1.7, top_k=7),
+    SamplingParams(temperature=0.8, top_p=0.6),
+    SamplingParams(temperature=1.0, min_p=0.02),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01),
+    SamplingParams(temperature=1.0, top_k=500),  # more than the vocabulary
+], ids=repr)
+@pytest.mark.parametrize("vocab", [5, 100, 1003])
+def test_the_c_draw_gives_the_portable_draws_token_for_each_share(params, vocab) -> None:
+    """Every token the portable draw gives, at the draw in the middle of its share: the C draw
+    keeps the same tokens with the same shares, in the same order (the two differ in rounding
+    only)."""
+    from pypto_serving.kernels.cpu.sampling import draw_cpu
+
+    torch.manual_seed(vocab)
+    logits = torch.randn(vocab) * 3
+    logits[::9] = float("-inf")  # masked tokens (a grammar's) are never drawn
+    tokens, middle = midpoints(logits, params)
+    t = sampling_tensors(states([params] * len(tokens)), vocab, CPU)
+    drawn = draw_cpu(logits.expand(len(tokens), -1), t, middle)
+    assert drawn.tolist() == tokens.tolist()
+    assert draw_portable(logits.expand(len(tokens), -1), t, middle).tolist() == tokens.tolist()
+
+
+def test_a_row_with_nothing_to_weigh_gives_its_argmax_and_greedy_rows_theirs() -> None:
+    """A NaN (the first NaN, as torch.argmax), every token masked (the first), one token left
+    (that one), and a greedy row in a sampled batch (its argmax)."""
+    logits = torch.full((4, 20), float("-inf"))
+    logits[0, 3:] = torch.randn(17)
+    logits[0, 5] = float("nan")
+    logits[2, 11] = 0.5
+    logits[3] = torch.randn(20)
+    rows = [SamplingParams(temperature=1.0, top_p=0.5, seed=i) for i in range(3)] + [SamplingParams()]
+    out = run(logits, states(rows)).token_ids.tolist()
+    assert out == [5, 0, 11, int(logits[3].argmax())]

@@ -30,7 +30,7 @@ from pypto_serving.process.cache_dirs import cache_dir
 SOURCES = [Path(__file__).with_name(name)
            for name in ("qlinear.c", "qdot.c", "qhead.c", "decoder.c", "stack.c", "sampling.c", "moe.c")]
 # part of the build's hash, not compiled alone
-HEADERS = [Path(__file__).with_name(name) for name in ("group_max.h", "prefetch.h", "vnni.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("group_max.h", "prefetch.h", "vnni.h", "vexp.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -52,6 +52,7 @@ SIGNATURES = {
     "step_stack": [_P, _P, _P, _P, _P, _P, _P],
     "decode_scores_len": [_I, _I, _I],
     "argmax_rows": [_P, _I, _I, _I, _P],
+    "sample_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "stack_layout": [_P, _I],
     "moe_experts": [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P],
     "qdot_use_vnni": [_I],
@@ -60,7 +61,7 @@ SIGNATURES = {
 
 # a status (0, or -1 when out of memory) or a size
 RETURNS_INT = {"step_stack", "qlinear_q8", "qlinear_a16", "qhead_greedy", "prefill_attention",
-               "decode_scores_len", "stack_layout", "moe_experts", "qdot_use_vnni"}
+               "decode_scores_len", "stack_layout", "moe_experts", "qdot_use_vnni", "sample_rows"}
 # the end of the compiler's output kept in the warning: where its last (often fatal) error is
 STDERR_CHARS = 4000
 

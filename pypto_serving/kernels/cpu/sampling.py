@@ -1,10 +1,11 @@
-"""sampling.c: greedy sampling's argmax, with torch.argmax's contract."""
+"""sampling.c: greedy sampling's argmax, with torch.argmax's contract, and random sampling's draw."""
 
 from __future__ import annotations
 
 import torch
 
 from pypto_serving.kernels.cpu import library
+from pypto_serving.kernels.sampling import SamplingTensors, draw_portable
 
 
 def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
@@ -15,4 +16,23 @@ def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     rows, width = logits.shape
     library().argmax_rows(logits.data_ptr(), rows, width, logits.stride(0), out.data_ptr())
+    return out
+
+
+def draw_cpu(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
+    """`draw_portable`'s tokens for float32 rows (the same settings, the same kind of draw),
+    without sorting the vocabulary: sampling.c's sample_rows."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, width = logits.shape
+    top_k = t.top_k if t.top_k is not None else torch.zeros(rows, dtype=torch.int64)
+    top_p = t.top_p if t.top_p is not None else torch.ones(rows)
+    min_p = t.min_p if t.min_p is not None else torch.zeros(rows)
+    temperature, u = t.temperature.contiguous(), u.to(torch.float64).contiguous()
+    top_k, top_p, min_p = top_k.contiguous(), top_p.contiguous(), min_p.contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    settings = (temperature, top_k, top_p, min_p, u)
+    if library().sample_rows(logits.data_ptr(), rows, width, logits.stride(0),
+                             *(s.data_ptr() for s in settings), out.data_ptr()):
+        return draw_portable(logits, t, u)  # a thread's scratch could not be allocated
     return out
