@@ -105,6 +105,15 @@ class CpuBackend(PortableBackend):
             return draw_cpu(logits, t, u)
         return super().draw(logits, t, u)
 
+    def mask_tokens(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """The C kernel for float32 rows: torch's bit unpacking took 2.6 ms for 16 rows of a
+        49152-token vocabulary."""
+        if logits.dtype == torch.float32 and logits.dim() == 2 and cpu.available():
+            from pypto_serving.kernels.cpu.sampling import mask_tokens_cpu
+
+            return mask_tokens_cpu(logits, rows, bitmask)
+        return super().mask_tokens(logits, rows, bitmask)
+
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return lazy_zeros(shape, dtype)
 

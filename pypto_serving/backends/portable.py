@@ -22,7 +22,7 @@ from pypto_serving.backends.budget import KVBudget, host_budget
 from pypto_serving.backends.graphs import NO_GRAPHS, GraphSpec
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
-from pypto_serving.kernels.sampling import SamplingTensors, draw_portable
+from pypto_serving.kernels.sampling import SamplerKernels, SamplingTensors, apply_token_bitmask, draw_portable
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import ACTIVATION_QUANTIZATIONS, PORTABLE_KERNELS, LayerFactory, QuantKernels
 
@@ -96,6 +96,14 @@ class PortableBackend:
     def draw(self, logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
         """The sampled rows' tokens (kernels/sampling.py's `Draw`)."""
         return draw_portable(logits, t, u)
+
+    def mask_tokens(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """Grammars' token masks applied (kernels/sampling.py's `Mask`)."""
+        return apply_token_bitmask(logits, rows, bitmask)
+
+    @property
+    def sampler(self) -> SamplerKernels:
+        return SamplerKernels(self.argmax, self.draw, self.mask_tokens)
 
     # -- memory ------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

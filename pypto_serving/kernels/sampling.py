@@ -71,21 +71,22 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors, argmax: Argmax = greedy,
-           draw: Draw | None = None) -> SamplerOutput:
-    """logits [B, V] -> one token per row (plus logprobs when asked); `argmax` (greedy rows)
-    and `draw` (the others; default `draw_portable`) are the backend's."""
+def sample(logits: torch.Tensor, t: SamplingTensors, kernels: SamplerKernels | None = None) -> SamplerOutput:
+    """logits [B, V] -> one token per row (plus logprobs when asked), with the backend's
+    `kernels` (default: the portable ones)."""
+    kernels = kernels or PORTABLE_SAMPLER
+    argmax, draw = kernels.argmax, kernels.draw
     logits = logits.float()
     raw = logits
     if t.grammar_rows is not None:
-        logits = apply_token_bitmask(logits, t.grammar_rows, t.grammar_bitmask)
+        logits = kernels.mask(logits, t.grammar_rows, t.grammar_bitmask)
     if t.banned is not None:
         logits = logits.reshape(-1).index_fill(0, t.banned, float("-inf")).view_as(logits)
     if t.repetition is not None:
         logits = apply_penalties(logits, t)
     tokens = argmax(logits)
     if not t.all_greedy:
-        sampled = (draw or draw_portable)(logits, t, uniforms(t.generators, logits.device))
+        sampled = draw(logits, t, uniforms(t.generators, logits.device))
         tokens = torch.where(t.temperature > 0, sampled, tokens)
     return _with_logprobs(raw, tokens, t)
 
@@ -170,6 +171,23 @@ def draw_portable(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> 
     nothing = processed.isnan().any(dim=-1) | (processed.amax(dim=-1) == float("-inf"))
     return torch.where(nothing, logits.argmax(dim=-1), tokens)
 
+
+
+Mask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits [B, V], rows [R], bitmask [R, ceil(V / 32)]) -> a copy with the rows' disallowed
+tokens at -inf, as `apply_token_bitmask`"""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerKernels:
+    """What `sample` runs where a backend has faster kernels than torch's."""
+
+    argmax: Argmax = greedy  # greedy rows
+    draw: Draw = draw_portable  # the others
+    mask: Mask = apply_token_bitmask  # grammars' token masks
+
+
+PORTABLE_SAMPLER = SamplerKernels()
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, t: SamplingTensors) -> SamplerOutput:

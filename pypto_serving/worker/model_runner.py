@@ -162,7 +162,7 @@ class ModelRunner:
         if tokens is not None:
             out = SamplerOutput(tokens, None, None, None)
         else:
-            out = sample(logits, tensors, self.backend.argmax, self.backend.draw)
+            out = sample(logits, tensors, self.backend.sampler)
         seq_ids = batch.sample_seq_ids
         if any(s.num_draft for s in seqs):
             keep = verify(seqs, states, out.token_ids.tolist())

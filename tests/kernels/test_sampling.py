@@ -10,7 +10,15 @@ from msgspec.structs import replace
 
 from pypto_serving.core.sampling_params import SamplingParams
 from pypto_serving.kernels import cpu
-from pypto_serving.kernels.sampling import Draw, SamplerOutput, apply_penalties, draw_portable, sample
+from pypto_serving.kernels.sampling import (
+    PORTABLE_SAMPLER,
+    SamplerKernels,
+    SamplerOutput,
+    apply_penalties,
+    apply_token_bitmask,
+    draw_portable,
+    sample,
+)
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, make_generator
 
@@ -20,21 +28,20 @@ LOGITS = PROBS.log()
 needs_c = pytest.mark.skipif(not cpu.available(), reason="the C kernels do not run here")
 
 
-def draw_c(logits: torch.Tensor, t, u: torch.Tensor) -> torch.Tensor:
-    from pypto_serving.kernels.cpu.sampling import draw_cpu
+def c_kernels() -> SamplerKernels:
+    from pypto_serving.kernels.cpu.sampling import argmax_cpu, draw_cpu, mask_tokens_cpu
 
-    return draw_cpu(logits, t, u)
+    return SamplerKernels(argmax_cpu, draw_cpu, mask_tokens_cpu)
 
 
-DRAWS: dict[str, Draw] = {"portable": draw_portable, "c": draw_c}
-DRAW: list[Draw] = [draw_portable]  # the one `run` uses: every test here runs with each
+KERNELS = [PORTABLE_SAMPLER]  # the ones `run` uses: every test here runs with each
 
 
 @pytest.fixture(autouse=True, params=["portable", pytest.param("c", marks=needs_c)])
-def each_draw(request):
-    DRAW[0] = DRAWS[request.param]
+def each_kernel_set(request):
+    KERNELS[0] = c_kernels() if request.param == "c" else PORTABLE_SAMPLER
     yield
-    DRAW[0] = draw_portable
+    KERNELS[0] = PORTABLE_SAMPLER
 
 
 def states(
@@ -45,7 +52,7 @@ def states(
 
 
 def run(logits: torch.Tensor, seqs: list[SeqState]) -> SamplerOutput:
-    return sample(logits, sampling_tensors(seqs, logits.shape[1], CPU), draw=DRAW[0])
+    return sample(logits, sampling_tensors(seqs, logits.shape[1], CPU), KERNELS[0])
 
 
 def draws(params: SamplingParams, n: int = 2000, logits: torch.Tensor = LOGITS) -> torch.Tensor:
@@ -271,3 +278,20 @@ def test_a_row_with_nothing_to_weigh_gives_its_argmax_and_greedy_rows_theirs() -
     rows = [SamplingParams(temperature=1.0, top_p=0.5, seed=i) for i in range(3)] + [SamplingParams()]
     out = run(logits, states(rows)).token_ids.tolist()
     assert out == [5, 0, 11, int(logits[3].argmax())]
+
+
+@needs_c
+def test_the_c_token_mask_is_the_portable_one() -> None:
+    """Rows 0 and 2 of 3 under a grammar, a vocabulary that ends inside a word: the same
+    -inf, and the logits given are left as they were."""
+    from pypto_serving.kernels.cpu.sampling import mask_tokens_cpu
+
+    torch.manual_seed(3)
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32)
+    bitmask[1, 0] = -1  # a word that allows all
+    rows = torch.tensor([0, 2])
+    masked = mask_tokens_cpu(logits, rows, bitmask)
+    assert torch.equal(masked, apply_token_bitmask(logits, rows, bitmask))
+    assert torch.equal(logits, before) and masked.isinf().sum() > 20

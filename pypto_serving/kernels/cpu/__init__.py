@@ -53,6 +53,7 @@ SIGNATURES = {
     "decode_scores_len": [_I, _I, _I],
     "argmax_rows": [_P, _I, _I, _I, _P],
     "sample_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P],
+    "mask_tokens": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I],
     "stack_layout": [_P, _I],
     "moe_experts": [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P],
     "qdot_use_vnni": [_I],

@@ -1,4 +1,5 @@
-"""sampling.c: greedy sampling's argmax, with torch.argmax's contract, and random sampling's draw."""
+"""sampling.c: greedy sampling's argmax, with torch.argmax's contract, random sampling's draw and
+grammars' token masks."""
 
 from __future__ import annotations
 
@@ -35,4 +36,16 @@ def draw_cpu(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> torch
     if library().sample_rows(logits.data_ptr(), rows, width, logits.stride(0),
                              *(s.data_ptr() for s in settings), out.data_ptr()):
         return draw_portable(logits, t, u)  # a thread's scratch could not be allocated
+    return out
+
+
+def mask_tokens_cpu(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`apply_token_bitmask`'s answer, as a new tensor (`logits` float32 [B, V] stays as it is)."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(logits.shape, dtype=torch.float32)
+    rows, bitmask = rows.contiguous(), bitmask.to(torch.int32).contiguous()
+    (b, v), words = logits.shape, bitmask.shape[1]
+    library().mask_tokens(logits.data_ptr(), b, v, logits.stride(0), out.data_ptr(), out.stride(0),
+                          rows.data_ptr(), rows.shape[0], bitmask.data_ptr(), words)
     return out
