@@ -7,6 +7,8 @@ ratios ours / llama-server with their spread (median [min, max] over repetitions
 
     python benchmarks/compare.py --reps 3 --json compare.json
 
+The sampled workloads send llama.cpp's default sampling settings (temperature 0.8, top_k 40,
+top_p 0.95, min_p 0.05) to both servers, so that both cut alike; the others are greedy.
 The shared-prefix workload also runs on a second pypto-serving started with
 --no-enable-prefix-caching, to show what the prefix cache buys. `ours-base` is pypto-serving
 from another source tree, e.g. a worktree of the commit before a change, and the summary adds
@@ -65,6 +67,7 @@ def workloads(num_prompts_scale: float) -> list[Workload]:
                                                  dataset="shared-prefix", prefix_len=400, input_len=64),
                  servers=("ours", "ours-base", "ours-int8", "ours-int16", "ours-no-prefix-cache", "llama")),
         # random sampling with llama.cpp's default settings spelled out, so that both servers cut alike
+        Workload("c1 128/128 sampled", replace(base, concurrency=1, num_prompts=n(8), **SAMPLED)),
         Workload("c16 128/128 sampled", replace(base, concurrency=16, num_prompts=n(32), **SAMPLED)),
     ]
 

@@ -25,8 +25,9 @@ def test_workloads_cover_the_issue_loads() -> None:
     shared = loads["c16 shared 400+64/128"]
     assert shared.bench.dataset == "shared-prefix" and shared.bench.prefix_len == 400
     assert "ours-no-prefix-cache" in shared.servers
-    sampled = loads.pop("c16 128/128 sampled").bench  # llama.cpp's default cuts, spelled out for both
-    assert (sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p) == (0.8, 40, 0.95, 0.05)
+    for name in ("c1 128/128 sampled", "c16 128/128 sampled"):  # llama.cpp's default cuts, spelled out
+        sampled = loads.pop(name).bench
+        assert (sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p) == (0.8, 40, 0.95, 0.05)
     assert all(w.bench.ignore_eos and w.bench.temperature == 0.0 for w in loads.values())
 
 
