@@ -59,6 +59,7 @@ def workloads(num_prompts_scale: float) -> list[Workload]:
         return max(2, round(count * num_prompts_scale))
 
     base = BenchConfig(input_len=128, output_len=128, temperature=0.0, ignore_eos=True, warmup=2)
+    sampled = replace(base, seed=500, **SAMPLED)
     return [
         Workload("c1 128/128", replace(base, concurrency=1, num_prompts=n(8))),
         Workload("c16 128/128", replace(base, concurrency=16, num_prompts=n(32))),
@@ -67,8 +68,9 @@ def workloads(num_prompts_scale: float) -> list[Workload]:
                                                  dataset="shared-prefix", prefix_len=400, input_len=64),
                  servers=("ours", "ours-base", "ours-int8", "ours-int16", "ours-no-prefix-cache", "llama")),
         # random sampling with llama.cpp's default settings spelled out, so that both servers cut alike
-        Workload("c1 128/128 sampled", replace(base, concurrency=1, num_prompts=n(8), **SAMPLED)),
-        Workload("c16 128/128 sampled", replace(base, concurrency=16, num_prompts=n(32), **SAMPLED)),
+        # (prompts of their own: the greedy workloads' would hit both servers' prompt caches)
+        Workload("c1 128/128 sampled", replace(sampled, concurrency=1, num_prompts=n(8))),
+        Workload("c16 128/128 sampled", replace(sampled, concurrency=16, num_prompts=n(32))),
     ]
 
 
@@ -82,7 +84,8 @@ class Runs:
 
 async def run_one(workload: Workload, server: Server, rep: int) -> BenchResult:
     # A new seed per repetition: the prefix cache must not see last repetition's prompts.
-    cfg = replace(workload.bench, base_url=server.url, server_pid=server.pid, seed=1000 * rep + 7)
+    seed = workload.bench.seed + 1000 * rep + 7
+    cfg = replace(workload.bench, base_url=server.url, server_pid=server.pid, seed=seed)
     return await run_benchmark(cfg)
 
 

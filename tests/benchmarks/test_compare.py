@@ -28,6 +28,7 @@ def test_workloads_cover_the_issue_loads() -> None:
     for name in ("c1 128/128 sampled", "c16 128/128 sampled"):  # llama.cpp's default cuts, spelled out
         sampled = loads.pop(name).bench
         assert (sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p) == (0.8, 40, 0.95, 0.05)
+        assert sampled.seed != loads["c16 128/128"].bench.seed  # not the greedy loads' prompts, cached
     assert all(w.bench.ignore_eos and w.bench.temperature == 0.0 for w in loads.values())
 
 
