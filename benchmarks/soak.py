@@ -7,14 +7,14 @@ Starts a pypto-serving itself (flags after `--server-args`) or targets a running
     python benchmarks/soak.py --url http://127.0.0.1:8000 --server-pid 1234
 
 The mix is seeded: /v1/completions and /v1/chat/completions, streamed and not, 1-16 tokens;
-stop strings, n=2, logprobs; streams the client drops after the first chunk or after a random
-delay; requests cancelled before the reply; invalid bodies that must get a 400 (counted apart,
-not as errors). The first --warmup requests are part of --requests; the RSS of the server
-and of its children (the device worker) is taken once the server is idle after them, and
-again at the end. Exits 1 on any error (a 5xx, a connection error, a stream without [DONE]
-or with an error event, finish_reason "error"), on a KV cache not empty once idle (running,
-waiting and blocks in use all 0; cached prefix blocks are free) or on RSS growth above
---max-rss-growth percent.
+stop strings, n=2, logprobs, top-k/top-p/min-p cuts and penalties; streams the client drops
+after the first chunk or after a random delay; requests cancelled before the reply; invalid
+bodies that must get a 400 (counted apart, not as errors). The first --warmup requests are part
+of --requests; the RSS of the server and of its children (the device worker) is taken once the
+server is idle after them, and again at the end. Exits 1 on any error (a 5xx, a connection
+error, a stream without [DONE] or with an error event, finish_reason "error"), on a KV cache
+not empty once idle (running, waiting and blocks in use all 0; cached prefix blocks are free)
+or on RSS growth above --max-rss-growth percent.
 
 KV cache pages count in RSS only once first written, and with prefix caching the allocator
 hands out never-used blocks before it evicts cached ones, so RSS grows until every block was
@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.servers import PORT, Server  # noqa: E402
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+CUTS = [{"top_p": 0.9}, {"top_k": 40}, {"top_k": 40, "top_p": 0.95, "min_p": 0.05}, {"min_p": 0.1},
+        {"frequency_penalty": 0.5, "presence_penalty": 0.3}, {"repetition_penalty": 1.1, "top_k": 5}]
 KINDS = {"plain": 18, "stream": 18, "stop": 12, "n2": 10, "logprobs": 10, "abort_first_chunk": 10,
          "abort_delay": 8, "cancel_before_reply": 8, "invalid": 6}  # kind -> weight
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold "
@@ -127,6 +129,8 @@ def _base_body(rng: random.Random, chat: bool, max_len: int) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": rng.randint(1, 16), "temperature": rng.choice((0.0, 0.7, 1.0))}
     if rng.random() < 0.3:
         body["seed"] = rng.randint(0, 1000)
+    if rng.random() < 0.3:  # the cuts and penalties clients send (the sampler's every path)
+        body.update(rng.choice(CUTS))
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

@@ -45,6 +45,8 @@ def test_workload_covers_every_kind() -> None:
     bodies = {s: json.loads(s.body) for s in specs if s.kind != "invalid"}
     assert all(1 <= b["max_tokens"] <= 16 for b in bodies.values())
     assert all(b.get("n", 1) == s.n == (2 if s.kind == "n2" else 1) for s, b in bodies.items())
+    sent = {key for b in bodies.values() for key in b}  # every cut and penalty the sampler takes
+    assert {"top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"} <= sent
 
 
 def test_rss_growth_and_failures() -> None:
