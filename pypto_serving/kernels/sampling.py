@@ -55,8 +55,8 @@ class SamplerOutput:
 
 Draw = Callable[[torch.Tensor, SamplingTensors, torch.Tensor], torch.Tensor]
 """(the logits after masks and penalties [B, V] float32, the settings, a uniform draw in
-[0, 1) per row [B] float64) -> [B] int64, as `draw_portable`; rows whose temperature is 0 may
-answer anything (`sample` takes their argmax)"""
+[0, 1) per row [B], float64 on the CPU and CUDA) -> [B] int64, as `draw_portable`; rows
+whose temperature is 0 may answer anything (`sample` takes their argmax)"""
 
 
 def argmax_only(t: SamplingTensors) -> bool:
@@ -152,10 +152,17 @@ def apply_top_k_top_p(
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+def _draw_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the draws and running sums where the device has it at full speed or near
+    (an NPU's kernels mostly have no float64: float32 there)."""
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
 def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """[B] float64 on `device`: a draw in [0, 1) from each row's generator (0 for greedy rows)."""
-    draws = [torch.rand((), dtype=torch.float64, generator=g, device=g.device) if g is not None
-             else torch.zeros((), dtype=torch.float64, device=device) for g in generators]
+    """[B] on `device`: a draw in [0, 1) from each row's generator (0 for greedy rows)."""
+    dtype = _draw_dtype(device)
+    draws = [torch.rand((), dtype=dtype, generator=g, device=g.device) if g is not None
+             else torch.zeros((), dtype=dtype, device=device) for g in generators]
     return torch.stack([d.to(device) for d in draws])
 
 
@@ -164,9 +171,9 @@ def draw_portable(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> 
     probabilities passes u times their total (u [B] in [0, 1)). A row with nothing to weigh
     (a NaN, or every token removed) takes its argmax, as the greedy path would."""
     processed = process_for_sampling(logits, t)
-    probs = processed.softmax(dim=-1, dtype=torch.float64)
+    probs = processed.softmax(dim=-1, dtype=_draw_dtype(logits.device))
     running = probs.cumsum(dim=-1)
-    target = (u * running[:, -1]).unsqueeze(1)
+    target = (u.to(running.dtype) * running[:, -1]).unsqueeze(1)
     tokens = torch.searchsorted(running, target, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
     nothing = processed.isnan().any(dim=-1) | (processed.amax(dim=-1) == float("-inf"))
     return torch.where(nothing, logits.argmax(dim=-1), tokens)
