@@ -55,7 +55,7 @@ class SamplerOutput:
 
 Draw = Callable[[torch.Tensor, SamplingTensors, torch.Tensor], torch.Tensor]
 """(the logits after masks and penalties [B, V] float32, the settings, a uniform draw in
-[0, 1) per row [B], float64 on the CPU and CUDA) -> [B] int64, as `draw_portable`; rows
+[0, 1) per row [B], float64 on the host) -> [B] int64, as `draw_portable`; rows
 whose temperature is 0 may answer anything (`sample` takes their argmax)"""
 
 
@@ -153,9 +153,11 @@ def apply_top_k_top_p(
 
 
 def _draw_dtype(device: torch.device) -> torch.dtype:
-    """float64 for the draws and running sums where the device has it at full speed or near
-    (an NPU's kernels mostly have no float64: float32 there)."""
-    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+    """The draws' and running sums' type: float64 on the host (a sequential float32 sum over a
+    vocabulary can drift by ~1e-5 of the total); float32 on an accelerator, whose scans sum in
+    a tree (a few float32 roundings deep) and where [B, V] float64 tensors would double the
+    step's transient memory (an NPU's kernels mostly lack float64 besides)."""
+    return torch.float64 if device.type == "cpu" else torch.float32
 
 
 def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
