@@ -171,13 +171,13 @@ def uniforms(generators: list[torch.Generator | None], device: torch.device) -> 
 def draw_portable(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
     """One token per row from its processed distribution: the first whose running sum of
     probabilities passes u times their total (u [B] in [0, 1)). A row with nothing to weigh
-    (a NaN, or every token removed) takes its argmax, as the greedy path would."""
+    (a NaN or +inf logit, or every token removed) takes its argmax, as the greedy path would."""
     processed = process_for_sampling(logits, t)
     probs = processed.softmax(dim=-1, dtype=_draw_dtype(logits.device))
     running = probs.cumsum(dim=-1)
     target = (u.to(running.dtype) * running[:, -1]).unsqueeze(1)
     tokens = torch.searchsorted(running, target, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
-    nothing = processed.isnan().any(dim=-1) | (processed.amax(dim=-1) == float("-inf"))
+    nothing = ~running[:, -1].isfinite()  # a NaN or +inf logit, or every token removed
     return torch.where(nothing, logits.argmax(dim=-1), tokens)
 
 

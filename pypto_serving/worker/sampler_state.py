@@ -14,6 +14,10 @@ from pypto_serving.kernels.sampling import SamplingTensors
 from pypto_serving.worker.grammar import Grammars
 from pypto_serving.worker.seq_state import SeqState
 
+# Above this every token's chance is the same to a few parts in a thousand; an infinite
+# temperature (float32 overflows from 3.4e38) would turn masked tokens' -inf into NaN.
+MAX_TEMPERATURE = 1e4
+
 
 def sampling_tensors(
     states: list[SeqState], vocab_size: int, device: torch.device, grammars: Grammars | None = None
@@ -25,7 +29,7 @@ def sampling_tensors(
     params = [s.sampling for s in states]
     asked = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingTensors(
-        temperature=_f32([p.temperature for p in params], device),
+        temperature=_f32([min(p.temperature, MAX_TEMPERATURE) for p in params], device),
         generators=[s.generator for s in states],
         all_greedy=all(p.greedy for p in params),
         top_k=_unless_all([p.top_k for p in params], 0, torch.int64, device),

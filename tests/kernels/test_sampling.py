@@ -267,17 +267,27 @@ def test_the_c_draw_gives_the_portable_draws_token_for_each_share(params, vocab)
     assert draw_portable(logits.expand(len(tokens), -1), t, middle).tolist() == tokens.tolist()
 
 
-def test_a_row_with_nothing_to_weigh_gives_its_argmax_and_greedy_rows_theirs() -> None:
+@pytest.mark.parametrize("cuts", [{}, {"top_p": 0.5}, {"top_k": 3, "min_p": 0.1}], ids=repr)
+def test_a_row_with_nothing_to_weigh_gives_its_argmax_and_greedy_rows_theirs(cuts) -> None:
     """A NaN (the first NaN, as torch.argmax), every token masked (the first), one token left
-    (that one), and a greedy row in a sampled batch (its argmax)."""
-    logits = torch.full((4, 20), float("-inf"))
+    (that one), a +inf logit (the first +inf), and a greedy row in a sampled batch (its argmax)."""
+    logits = torch.full((5, 20), float("-inf"))
     logits[0, 3:] = torch.randn(17)
     logits[0, 5] = float("nan")
     logits[2, 11] = 0.5
     logits[3] = torch.randn(20)
-    rows = [SamplingParams(temperature=1.0, top_p=0.5, seed=i) for i in range(3)] + [SamplingParams()]
+    logits[3, [8, 14]] = float("inf")
+    logits[4] = torch.randn(20)
+    rows = [SamplingParams(temperature=1.0, seed=i, **cuts) for i in range(4)] + [SamplingParams()]
     out = run(logits, states(rows)).token_ids.tolist()
-    assert out == [5, 0, 11, int(logits[3].argmax())]
+    assert out == [5, 0, 11, 8, int(logits[4].argmax())]
+
+
+def test_an_unbounded_temperature_draws_every_allowed_token_alike() -> None:
+    """1e39 overflows float32: every unmasked token about as often, a masked one never."""
+    logits = torch.tensor([5.0, float("-inf"), 0.0, -5.0])
+    tokens = draws(SamplingParams(temperature=1e39), 3000, logits)
+    assert chi_square(tokens, torch.tensor([1 / 3, 0.0, 1 / 3, 1 / 3])) < CHI2_999[2]
 
 
 @needs_c

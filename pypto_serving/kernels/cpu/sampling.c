@@ -175,8 +175,12 @@ static double weights(const float *x, int64_t n, float mx, float inv_t, float mi
             if (!whole) /* the last few, padded with -inf */
                 for (int j = 0; j < 8; j++) tail[j] = i + j < n ? x[i + j] : -INFINITY;
             __m256 v = _mm256_loadu_ps(whole ? x + i : tail);
-            __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(v, vm), vi));
+            const __m256 a = _mm256_mul_ps(_mm256_sub_ps(v, vm), vi);
+            __m256 e = exp8(a);
+            /* -inf (masked), below min_p, or below exp8's clamp at -87 (which would give every
+             * such token the same 1.6e-38 instead of ~0) */
             __m256 drop = _mm256_or_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), _mm256_cmp_ps(e, floor, _CMP_LT_OQ));
+            drop = _mm256_or_ps(drop, _mm256_cmp_ps(a, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
             e = _mm256_andnot_ps(drop, e);
             if (whole) _mm256_storeu_ps(w + i, e);
             else {
@@ -356,7 +360,7 @@ static int64_t sample_row(const float *x, int64_t n, float t, int64_t k, float p
     if (!(t > 0.0f)) return argmax_row(x, n);
     int nan = 0;
     float mx = row_max(x, n, &nan);
-    if (nan || mx == -INFINITY) return argmax_row(x, n); /* as draw_portable: nothing to weigh */
+    if (nan || isinf(mx)) return argmax_row(x, n); /* as draw_portable: nothing to weigh */
     double total = weights(x, n, mx, 1.0f / t, min_p > 0.0f ? min_p : 0.0f, s->w, s->block, s->top);
     if (k <= 0 && p >= 1.0f) return pick(s->w, s->block, n, u * total);
     if (k <= 0) return draw_top_p(s->w, n, total, p, u, s);
@@ -398,8 +402,10 @@ int64_t sample_rows(const float *x, int64_t rows, int64_t n, int64_t ld, const f
         failed = !s.w || !s.block || !s.top || !s.c || !s.tmp || !s.count || !s.mass || !s.digits;
 #pragma omp for schedule(dynamic)
         for (int64_t r = 0; r < rows; r++)
-            if (!failed)
+            if (!failed) {
                 out[r] = sample_row(x + r * ld, n, temperature[r], top_k[r], top_p[r], min_p[r], u[r], &s);
+                if (out[r] < 0) out[r] = argmax_row(x + r * ld, n); /* no weight left (the max weighs 1) */
+            }
         free(s.w);
         free(s.block);
         free(s.top);
