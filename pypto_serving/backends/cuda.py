@@ -31,6 +31,7 @@ from pypto_serving.models.llama import LlamaForCausalLM
 class CudaBackend(PortableBackend):
     name = "cuda"
     profiler_activities = ("cpu", "cuda")
+    sampling_precision = torch.float32  # (an NPU's kernels mostly lack float64 besides)
 
     @property
     def memory(self) -> ModuleType:

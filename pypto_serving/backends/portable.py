@@ -101,9 +101,11 @@ class PortableBackend:
         """Grammars' token masks applied (kernels/sampling.py's `Mask`)."""
         return apply_token_bitmask(logits, rows, bitmask)
 
+    sampling_precision: ClassVar[torch.dtype] = torch.float64  # SamplerKernels.precision
+
     @property
     def sampler(self) -> SamplerKernels:
-        return SamplerKernels(self.argmax, self.draw, self.mask_tokens)
+        return SamplerKernels(self.argmax, self.draw, self.mask_tokens, self.sampling_precision)
 
     # -- memory ------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -55,7 +55,7 @@ class SamplerOutput:
 
 Draw = Callable[[torch.Tensor, SamplingTensors, torch.Tensor], torch.Tensor]
 """(the logits after masks and penalties [B, V] float32, the settings, a uniform draw in
-[0, 1) per row [B], float64 on the host) -> [B] int64, as `draw_portable`; rows
+[0, 1) per row [B], `SamplerKernels.precision`) -> [B] int64, as `draw_portable`; rows
 whose temperature is 0 may answer anything (`sample` takes their argmax)"""
 
 
@@ -86,7 +86,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors, kernels: SamplerKernels | N
         logits = apply_penalties(logits, t)
     tokens = argmax(logits)
     if not t.all_greedy:
-        sampled = draw(logits, t, uniforms(t.generators, logits.device))
+        sampled = draw(logits, t, uniforms(t.generators, logits.device, kernels.precision))
         tokens = torch.where(t.temperature > 0, sampled, tokens)
     return _with_logprobs(raw, tokens, t)
 
@@ -152,17 +152,9 @@ def apply_top_k_top_p(
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _draw_dtype(device: torch.device) -> torch.dtype:
-    """The draws' and running sums' type: float64 on the host (a sequential float32 sum over a
-    vocabulary can drift by ~1e-5 of the total); float32 on an accelerator, whose scans sum in
-    a tree (a few float32 roundings deep) and where [B, V] float64 tensors would double the
-    step's transient memory (an NPU's kernels mostly lack float64 besides)."""
-    return torch.float64 if device.type == "cpu" else torch.float32
-
-
-def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """[B] on `device`: a draw in [0, 1) from each row's generator (0 for greedy rows)."""
-    dtype = _draw_dtype(device)
+def uniforms(generators: list[torch.Generator | None], device: torch.device,
+             dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """[B] `dtype` on `device`: a draw in [0, 1) from each row's generator (0 for greedy rows)."""
     draws = [torch.rand((), dtype=dtype, generator=g, device=g.device) if g is not None
              else torch.zeros((), dtype=dtype, device=device) for g in generators]
     return torch.stack([d.to(device) for d in draws])
@@ -173,9 +165,9 @@ def draw_portable(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> 
     probabilities passes u times their total (u [B] in [0, 1)). A row with nothing to weigh
     (a NaN or +inf logit, or every token removed) takes its argmax, as the greedy path would."""
     processed = process_for_sampling(logits, t)
-    probs = processed.softmax(dim=-1, dtype=_draw_dtype(logits.device))
+    probs = processed.softmax(dim=-1, dtype=u.dtype)  # the running sums in the draws' precision
     running = probs.cumsum(dim=-1)
-    target = (u.to(running.dtype) * running[:, -1]).unsqueeze(1)
+    target = (u * running[:, -1]).unsqueeze(1)
     tokens = torch.searchsorted(running, target, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
     nothing = ~running[:, -1].isfinite()  # a NaN or +inf logit, or every token removed
     return torch.where(nothing, logits.argmax(dim=-1), tokens)
@@ -194,6 +186,10 @@ class SamplerKernels:
     argmax: Argmax = greedy  # greedy rows
     draw: Draw = draw_portable  # the others
     mask: Mask = apply_token_bitmask  # grammars' token masks
+    # The draws' and the portable draw's running sums' type: float64 on the host (a sequential
+    # float32 sum over a vocabulary can drift by ~1e-5 of the total); an accelerator's scans
+    # sum in a tree, and [B, V] float64 tensors would double a step's transient memory there.
+    precision: torch.dtype = torch.float64
 
 
 PORTABLE_SAMPLER = SamplerKernels()

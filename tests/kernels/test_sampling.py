@@ -37,9 +37,12 @@ def c_kernels() -> SamplerKernels:
 KERNELS = [PORTABLE_SAMPLER]  # the ones `run` uses: every test here runs with each
 
 
-@pytest.fixture(autouse=True, params=["portable", pytest.param("c", marks=needs_c)])
+@pytest.fixture(autouse=True, params=["portable", "portable-float32", pytest.param("c", marks=needs_c)])
 def each_kernel_set(request):
-    KERNELS[0] = c_kernels() if request.param == "c" else PORTABLE_SAMPLER
+    """The portable kernels as the host runs them and as an accelerator does (float32 draws and
+    running sums), and the C ones."""
+    KERNELS[0] = {"c": c_kernels, "portable-float32": lambda: SamplerKernels(precision=torch.float32)}.get(
+        request.param, lambda: PORTABLE_SAMPLER)()
     yield
     KERNELS[0] = PORTABLE_SAMPLER
 
