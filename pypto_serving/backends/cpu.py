@@ -90,7 +90,7 @@ class CpuBackend(PortableBackend):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The C kernel for float32 rows (torch's argmax does not vectorize here)."""
-        if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] and cpu.available():
+        if _c_rows(logits):
             from pypto_serving.kernels.cpu.sampling import argmax_cpu
 
             return argmax_cpu(logits)
@@ -99,7 +99,7 @@ class CpuBackend(PortableBackend):
     def draw(self, logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> torch.Tensor:
         """The C sampler for float32 rows: torch's sort and per-token noise cost a batch-16
         SmolLM2 step more than its forward (kernels/cpu/sampling.c)."""
-        if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] and cpu.available():
+        if _c_rows(logits):
             from pypto_serving.kernels.cpu.sampling import draw_cpu
 
             return draw_cpu(logits, t, u)
@@ -108,7 +108,7 @@ class CpuBackend(PortableBackend):
     def mask_tokens(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """The C kernel for float32 rows: torch's bit unpacking took 2.6 ms for 16 rows of a
         49152-token vocabulary."""
-        if logits.dtype == torch.float32 and logits.dim() == 2 and cpu.available():
+        if _c_rows(logits):
             from pypto_serving.kernels.cpu.sampling import mask_tokens_cpu
 
             return mask_tokens_cpu(logits, rows, bitmask)
@@ -150,3 +150,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         pages.madvise(mmap.MADV_NOHUGEPAGE)  # even where THP is "always"
     raw = torch.frombuffer(pages, dtype=torch.uint8)  # the tensor keeps the map alive
     return raw.view(dtype).view(shape)
+
+
+def _c_rows(logits: torch.Tensor) -> bool:
+    """Whether sampling.c's kernels take these logits: float32 rows [B, V], V >= 1, here."""
+    return logits.dtype == torch.float32 and logits.dim() == 2 and bool(logits.shape[1]) and cpu.available()

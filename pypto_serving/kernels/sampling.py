@@ -75,7 +75,6 @@ def sample(logits: torch.Tensor, t: SamplingTensors, kernels: SamplerKernels | N
     """logits [B, V] -> one token per row (plus logprobs when asked), with the backend's
     `kernels` (default: the portable ones)."""
     kernels = kernels or PORTABLE_SAMPLER
-    argmax, draw = kernels.argmax, kernels.draw
     logits = logits.float()
     raw = logits
     if t.grammar_rows is not None:
@@ -84,9 +83,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors, kernels: SamplerKernels | N
         logits = logits.reshape(-1).index_fill(0, t.banned, float("-inf")).view_as(logits)
     if t.repetition is not None:
         logits = apply_penalties(logits, t)
-    tokens = argmax(logits)
+    tokens = kernels.argmax(logits)
     if not t.all_greedy:
-        sampled = draw(logits, t, uniforms(t.generators, logits.device, kernels.precision))
+        sampled = kernels.draw(logits, t, uniforms(t.generators, logits.device, kernels.precision))
         tokens = torch.where(t.temperature > 0, sampled, tokens)
     return _with_logprobs(raw, tokens, t)
 
@@ -171,7 +170,6 @@ def draw_portable(logits: torch.Tensor, t: SamplingTensors, u: torch.Tensor) -> 
     tokens = torch.searchsorted(running, target, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
     nothing = ~running[:, -1].isfinite()  # a NaN or +inf logit, or every token removed
     return torch.where(nothing, logits.argmax(dim=-1), tokens)
-
 
 
 Mask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -99,8 +99,9 @@ void mask_tokens(const float *x, int64_t rows_total, int64_t n, int64_t ld, floa
 #define BLOCK 64 /* weights per block sum: the draw finds its block, then its token */
 /* Histogram buckets: a weight's float bits past the sign, from its exponent and 3 mantissa
  * bits, for weights from 2^-24 (of the largest, 1) up. The lighter ones are left out (bucket
- * 0): should the cuts reach them, every token is a candidate. Four copies, filled in turn, so
- * that neighbouring tokens in one bucket do not wait on each other's update. */
+ * 0): should the cuts reach them, every token is a candidate. Top-p's mass histogram has four
+ * copies, filled in turn, so that neighbouring tokens in one bucket do not wait on each
+ * other's update. */
 #define BUCKET_SHIFT 20
 #define LIGHT 0x1p-24f
 #define BUCKET_LIGHT ((127 - 24) << 3) /* the bits >> BUCKET_SHIFT of LIGHT */
@@ -158,6 +159,14 @@ static inline uint32_t bucket_of(float w) {
     return bits > BUCKET_LIGHT ? bits - BUCKET_LIGHT : 0;
 }
 
+/* The 8 floats of p from i, those at n and beyond `pad`. */
+static inline __m256 load_padded(const float *p, int64_t i, int64_t n, float pad) {
+    if (i + 8 <= n) return _mm256_loadu_ps(p + i);
+    float tail[8];
+    for (int j = 0; j < 8; j++) tail[j] = i + j < n ? p[i + j] : pad;
+    return _mm256_loadu_ps(tail);
+}
+
 /* w [n] = exp((x - mx) * inv_t), 0 where x is -inf or w is below min_p; block [n / BLOCK
  * rounded up] their sums by BLOCK, top [the same] their largest by BLOCK. Returns the sum of
  * them all. */
@@ -170,20 +179,16 @@ static double weights(const float *x, int64_t n, float mx, float inv_t, float mi
         __m256d s0 = _mm256_setzero_pd(), s1 = s0;
         __m256 high = _mm256_setzero_ps();
         for (int64_t i = b * BLOCK; i < n && i < (b + 1) * BLOCK; i += 8) {
-            float tail[8];
-            const int whole = i + 8 <= n;
-            if (!whole) /* the last few, padded with -inf */
-                for (int j = 0; j < 8; j++) tail[j] = i + j < n ? x[i + j] : -INFINITY;
-            __m256 v = _mm256_loadu_ps(whole ? x + i : tail);
-            const __m256 a = _mm256_mul_ps(_mm256_sub_ps(v, vm), vi);
+            const __m256 v = load_padded(x, i, n, -INFINITY), a = _mm256_mul_ps(_mm256_sub_ps(v, vm), vi);
             __m256 e = exp8(a);
             /* -inf (masked), below min_p, or below exp8's clamp at -87 (which would give every
              * such token the same 1.6e-38 instead of ~0) */
             __m256 drop = _mm256_or_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), _mm256_cmp_ps(e, floor, _CMP_LT_OQ));
             drop = _mm256_or_ps(drop, _mm256_cmp_ps(a, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
             e = _mm256_andnot_ps(drop, e);
-            if (whole) _mm256_storeu_ps(w + i, e);
+            if (i + 8 <= n) _mm256_storeu_ps(w + i, e);
             else {
+                float tail[8];
                 _mm256_storeu_ps(tail, e);
                 for (int j = 0; i + j < n; j++) w[i + j] = tail[j];
             }
@@ -226,9 +231,8 @@ typedef struct {
     double *block;
     float *top;        /* the blocks' largest weights */
     uint64_t *c, *tmp; /* candidates, heavier_key's */
-    uint32_t (*count)[BUCKETS];
     double (*mass)[BUCKETS];
-    uint32_t *digits;
+    uint32_t *digits; /* radix_sort's counts, and top_k_floor's */
 } SampleScratch;
 
 /* The lightest weight a bucket holds (bucket 0: every weight). */
@@ -257,7 +261,6 @@ static float top_k_floor(const float *top, int64_t blocks, int64_t k, uint32_t *
  * draw then runs over the vocabulary, in order, taking the kept tokens' weights: where the
  * distribution is flat, tens of thousands of tokens are kept, too many to sort. */
 static int64_t draw_top_p(const float *w, int64_t n, double total, float p, double u, const SampleScratch *s) {
-    memset(s->count, 0, COPIES * sizeof *s->count);
     memset(s->mass, 0, COPIES * sizeof *s->mass);
     const __m256 light = _mm256_set1_ps(LIGHT);
     int c = 0;
@@ -266,9 +269,7 @@ static int64_t draw_top_p(const float *w, int64_t n, double total, float p, doub
                                : (1 << (n - i)) - 1;
         for (; heavy; heavy &= heavy - 1, c = (c + 1) % COPIES) {
             float v = w[i + __builtin_ctz(heavy)];
-            uint32_t b = bucket_of(v);
-            s->count[c][b]++;
-            s->mass[c][b] += v;
+            s->mass[c][bucket_of(v)] += v;
         }
     }
     const double limit = (double)p * total;
@@ -298,11 +299,7 @@ static int64_t draw_top_p(const float *w, int64_t n, double total, float p, doub
     double sum = 0.0;
     int64_t chosen = -1;
     for (int64_t i = 0; i < n; i += 8) {
-        float tail[8];
-        const int whole = i + 8 <= n;
-        if (!whole)
-            for (int j = 0; j < 8; j++) tail[j] = i + j < n ? w[i + j] : 0.0f;
-        __m256 v = _mm256_loadu_ps(whole ? w + i : tail);
+        __m256 v = load_padded(w, i, n, 0.0f);
         __m256i at = _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), lanes);
         __m256 tie = _mm256_and_ps(_mm256_cmp_ps(v, vcut, _CMP_EQ_OQ),
                                    _mm256_castsi256_ps(_mm256_xor_si256(_mm256_cmpgt_epi32(at, vlast),
@@ -397,9 +394,9 @@ int64_t sample_rows(const float *x, int64_t rows, int64_t n, int64_t ld, const f
         const size_t blocks = (size_t)(n / BLOCK + 1);
         SampleScratch s = {malloc((size_t)n * sizeof(float)), malloc(blocks * sizeof(double)),
                            malloc(blocks * sizeof(float)), malloc((size_t)n * sizeof(uint64_t)),
-                           malloc((size_t)n * sizeof(uint64_t)), malloc(COPIES * sizeof *s.count),
-                           malloc(COPIES * sizeof *s.mass), malloc(DIGITS * sizeof(uint32_t))};
-        failed = !s.w || !s.block || !s.top || !s.c || !s.tmp || !s.count || !s.mass || !s.digits;
+                           malloc((size_t)n * sizeof(uint64_t)), malloc(COPIES * sizeof *s.mass),
+                           malloc(DIGITS * sizeof(uint32_t))};
+        failed = !s.w || !s.block || !s.top || !s.c || !s.tmp || !s.mass || !s.digits;
 #pragma omp for schedule(dynamic)
         for (int64_t r = 0; r < rows; r++)
             if (!failed) {
@@ -412,7 +409,6 @@ int64_t sample_rows(const float *x, int64_t rows, int64_t n, int64_t ld, const f
         free(s.c);
         free(s.tmp);
         free(s.digits);
-        free(s.count);
         free(s.mass);
     }
     return failed ? -1 : 0;
