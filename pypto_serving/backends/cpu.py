@@ -20,7 +20,7 @@ from pypto_serving.backends.cpu_stack import DecoderStack
 from pypto_serving.backends.portable import KVCache, PortableBackend, StackRunner
 from pypto_serving.kernels import cpu
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
-from pypto_serving.kernels.sampling import SamplingTensors
+from pypto_serving.kernels.sampling import SamplingTensors, TokenLogprobs
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import LayerFactory, QuantKernels
 from pypto_serving.process import heap
@@ -113,6 +113,16 @@ class CpuBackend(PortableBackend):
 
             return mask_tokens_cpu(logits, rows, bitmask)
         return super().mask_tokens(logits, rows, bitmask)
+
+    def logprobs(self, logits: torch.Tensor, chosen: torch.Tensor, k: int,
+                 ranks: bool = False) -> TokenLogprobs:
+        """The C kernel for float32 rows: torch's log_softmax, rank comparison and topk took
+        ~60 ms of each 256-row piece of a SmolLM2 prompt's logprobs."""
+        if _c_rows(logits):
+            from pypto_serving.kernels.cpu.sampling import logprobs_cpu
+
+            return logprobs_cpu(logits, chosen, k, ranks)
+        return super().logprobs(logits, chosen, k, ranks)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return lazy_zeros(shape, dtype)

@@ -22,7 +22,14 @@ from pypto_serving.backends.budget import KVBudget, host_budget
 from pypto_serving.backends.graphs import NO_GRAPHS, GraphSpec
 from pypto_serving.kernels.attention import AttentionMetadata
 from pypto_serving.kernels.decoder_ops import PORTABLE, DecoderOps
-from pypto_serving.kernels.sampling import SamplerKernels, SamplingTensors, apply_token_bitmask, draw_portable
+from pypto_serving.kernels.sampling import (
+    SamplerKernels,
+    SamplingTensors,
+    TokenLogprobs,
+    apply_token_bitmask,
+    draw_portable,
+    token_logprobs,
+)
 from pypto_serving.models.llama import LlamaForCausalLM
 from pypto_serving.models.quant import ACTIVATION_QUANTIZATIONS, PORTABLE_KERNELS, LayerFactory, QuantKernels
 
@@ -101,11 +108,17 @@ class PortableBackend:
         """Grammars' token masks applied (kernels/sampling.py's `Mask`)."""
         return apply_token_bitmask(logits, rows, bitmask)
 
+    def logprobs(self, logits: torch.Tensor, chosen: torch.Tensor, k: int,
+                 ranks: bool = False) -> TokenLogprobs:
+        """The logprobs fields of raw logits (kernels/sampling.py's `Logprobs`)."""
+        return token_logprobs(logits, chosen, k, ranks)
+
     sampling_precision: ClassVar[torch.dtype] = torch.float64  # SamplerKernels.precision
 
     @property
     def sampler(self) -> SamplerKernels:
-        return SamplerKernels(self.argmax, self.draw, self.mask_tokens, self.sampling_precision)
+        return SamplerKernels(argmax=self.argmax, draw=self.draw, mask=self.mask_tokens,
+                              logprobs=self.logprobs, precision=self.sampling_precision)
 
     # -- memory ------------------------------------------------------------------
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -53,6 +53,31 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, k]
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """What the logprobs fields report of rows of raw logits (`Logprobs`)."""
+
+    chosen: torch.Tensor  # [N] float32: each row's chosen token's log-probability
+    ranks: torch.Tensor | None  # [N] int64: 1 + the tokens with a larger logit (when asked)
+    top_ids: torch.Tensor | None  # [N, k] int64: the k most likely, descending (None: k = 0)
+    top_values: torch.Tensor | None  # [N, k] float32: their log-probabilities
+
+
+Logprobs = Callable[[torch.Tensor, torch.Tensor, int, bool], TokenLogprobs]
+"""(raw logits [N, V] float32, the chosen tokens [N] int64, k <= V, whether to rank) ->
+`TokenLogprobs`, as `token_logprobs`"""
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int, ranks: bool = False) -> TokenLogprobs:
+    """log_softmax's values for the chosen tokens and the k most likely (portable); a rank
+    counts the tokens whose logit is larger (a log_softmax value can round two of them equal)."""
+    lp = logits.log_softmax(dim=-1)
+    column = chosen.unsqueeze(1)
+    rank = (logits > logits.gather(1, column)).sum(dim=1) + 1 if ranks else None
+    top_values, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+    return TokenLogprobs(lp.gather(1, column).squeeze(1), rank, top_ids, top_values)
+
+
 Draw = Callable[[torch.Tensor, SamplingTensors, torch.Tensor], torch.Tensor]
 """(the logits after masks and penalties [B, V] float32, the settings, a uniform draw in
 [0, 1) per row [B], `SamplerKernels.precision`) -> [B] int64, as `draw_portable`; rows
@@ -87,7 +112,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors, kernels: SamplerKernels | N
     if not t.all_greedy:
         sampled = kernels.draw(logits, t, uniforms(t.generators, logits.device, kernels.precision))
         tokens = torch.where(t.temperature > 0, sampled, tokens)
-    return _with_logprobs(raw, tokens, t)
+    if not t.logprobs:
+        return SamplerOutput(tokens, None, None, None)
+    lp = kernels.logprobs(raw, tokens, t.top_logprobs, False)
+    return SamplerOutput(tokens, lp.chosen, lp.top_ids, lp.top_values)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -184,6 +212,7 @@ class SamplerKernels:
     argmax: Argmax = greedy  # greedy rows
     draw: Draw = draw_portable  # the others
     mask: Mask = apply_token_bitmask  # grammars' token masks
+    logprobs: Logprobs = token_logprobs  # the logprobs fields, sampled rows' and prompts'
     # The draws' and the portable draw's running sums' type: float64 on the host (a sequential
     # float32 sum over a vocabulary can drift by ~1e-5 of the total); an accelerator's scans
     # sum in a tree, and [B, V] float64 tensors would double a step's transient memory there.
@@ -191,14 +220,3 @@ class SamplerKernels:
 
 
 PORTABLE_SAMPLER = SamplerKernels()
-
-
-def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-    if not t.logprobs:
-        return SamplerOutput(tokens, None, None, None)
-    logprobs = raw.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    if t.top_logprobs == 0:
-        return SamplerOutput(tokens, chosen, None, None)
-    top_values, top_ids = logprobs.topk(t.top_logprobs, dim=-1)
-    return SamplerOutput(tokens, chosen, top_ids, top_values)

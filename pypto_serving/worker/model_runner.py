@@ -151,7 +151,8 @@ class ModelRunner:
         if wants_prompt_logprobs(seqs, states):  # every row's hidden state is read
             hidden = self._hidden(batch, self.kv_caches)
             logits = self._sample_logits(batch, hidden)
-            prompt = score_prompts(seqs, states, hidden, self.model.compute_logits)
+            prompt = score_prompts(seqs, states, hidden, self.model.compute_logits,
+                                   self.backend.sampler.logprobs)
         else:  # the sampled rows' only: the stack runs the last layer past its k/v for those alone
             hidden, prompt = self._hidden(batch, self.kv_caches, batch.sample_rows), []
             if not keep_logits and tensors is not None and argmax_only(tensors):

@@ -21,7 +21,7 @@ class SeqState:
     sampling: SamplingParams
     generator: torch.Generator | None  # None for greedy sequences
     matcher: llguidance.LLMatcher | None = None  # None without a grammar; has consumed every output
-    # prompt logprobs: the log-softmax [1, V] of the last chunk's last row, which predicts the
+    # prompt logprobs: the logits [1, V] of the last chunk's last row, which predicts the
     # next chunk's first token (worker/prompt_logprobs.py)
     held_prompt_row: torch.Tensor | None = None
     last_sampled: int | None = None  # what a PLACEHOLDER in its next chunk stands for

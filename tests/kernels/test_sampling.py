@@ -18,6 +18,7 @@ from pypto_serving.kernels.sampling import (
     apply_token_bitmask,
     draw_portable,
     sample,
+    token_logprobs,
 )
 from pypto_serving.worker.sampler_state import sampling_tensors
 from pypto_serving.worker.seq_state import SeqState, make_generator
@@ -29,9 +30,9 @@ needs_c = pytest.mark.skipif(not cpu.available(), reason="the C kernels do not r
 
 
 def c_kernels() -> SamplerKernels:
-    from pypto_serving.kernels.cpu.sampling import argmax_cpu, draw_cpu, mask_tokens_cpu
+    from pypto_serving.kernels.cpu.sampling import argmax_cpu, draw_cpu, logprobs_cpu, mask_tokens_cpu
 
-    return SamplerKernels(argmax_cpu, draw_cpu, mask_tokens_cpu)
+    return SamplerKernels(argmax_cpu, draw_cpu, mask_tokens_cpu, logprobs_cpu)
 
 
 KERNELS = [PORTABLE_SAMPLER]  # the ones `run` uses: every test here runs with each
@@ -308,3 +309,53 @@ def test_the_c_token_mask_is_the_portable_one() -> None:
     masked = mask_tokens_cpu(logits, rows, bitmask)
     assert torch.equal(masked, apply_token_bitmask(logits, rows, bitmask))
     assert torch.equal(logits, before) and masked.isinf().sum() > 20
+
+
+def awkward_rows(vocab: int) -> torch.Tensor:
+    """Rows of logits with what a log_softmax must get right: a spread, ties everywhere, -inf
+    logits, fewer finite logits than a top-k asks for, a wide range."""
+    torch.manual_seed(vocab)
+    rows = torch.stack([torch.randn(vocab) * 4, torch.randint(0, 4, (vocab,)).float(), torch.randn(vocab),
+                        torch.full((vocab,), float("-inf")), torch.randn(vocab) * 1e4])
+    rows[2, ::2] = float("-inf")
+    rows[3, vocab // 2] = 1.5
+    rows[3, -1] = 0.5
+    return rows
+
+
+@needs_c
+@pytest.mark.parametrize("vocab", [3, 70, 1003, 49155])
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_the_c_logprobs_are_log_softmax_s_values_ranks_and_most_likely(vocab, k) -> None:
+    from pypto_serving.kernels.cpu.sampling import logprobs_cpu
+
+    logits, k = awkward_rows(vocab), min(k, vocab)
+    chosen = torch.tensor([0, vocab // 3, 0, vocab - 1, vocab // 2])  # row 2's is a -inf logit
+    got, want = logprobs_cpu(logits, chosen, k, True), token_logprobs(logits, chosen, k, True)
+    torch.testing.assert_close(got.chosen, want.chosen, rtol=1e-6, atol=1e-5)
+    assert got.chosen[2] == float("-inf")
+    assert got.ranks.tolist() == want.ranks.tolist()
+    assert got.ranks[1] == (logits[1] > logits[1, chosen[1]]).sum() + 1
+    if k == 0:
+        assert got.top_ids is None and got.top_values is None
+        return
+    torch.testing.assert_close(got.top_values, want.top_values, rtol=1e-6, atol=1e-5)
+    lp = logits.log_softmax(-1)
+    torch.testing.assert_close(lp.gather(1, got.top_ids), got.top_values, rtol=1e-6, atol=1e-5)
+    for row in got.top_ids.tolist():
+        assert len(set(row)) == k
+    ties = got.top_ids[1][got.top_values[1] == got.top_values[1, -1]]
+    assert ties.tolist() == sorted(ties.tolist())  # among equal values, the lower ids first
+    assert got.top_ids[0].tolist() == want.top_ids[0].tolist()
+
+
+@needs_c
+def test_the_c_logprobs_of_a_row_without_a_finite_logit_are_torch_s_nan() -> None:
+    from pypto_serving.kernels.cpu.sampling import logprobs_cpu
+
+    logits = torch.randn(3, 300)
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    got = logprobs_cpu(logits, torch.tensor([1, 2, 3]), 4, True)
+    assert got.chosen[1:].isnan().all() and got.top_values[1:].isnan().all()
+    torch.testing.assert_close(got.chosen[0], logits[0].log_softmax(-1)[1])

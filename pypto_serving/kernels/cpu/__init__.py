@@ -54,6 +54,7 @@ SIGNATURES = {
     "argmax_rows": [_P, _I, _I, _I, _P],
     "sample_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P],
     "mask_tokens": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I],
+    "logprob_rows": [_P, _I, _I, _I, _P, _I, _P, _P, _P, _P],
     "stack_layout": [_P, _I],
     "moe_experts": [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P],
     "qdot_use_vnni": [_I],
@@ -62,7 +63,8 @@ SIGNATURES = {
 
 # a status (0, or -1 when out of memory) or a size
 RETURNS_INT = {"step_stack", "qlinear_q8", "qlinear_a16", "qhead_greedy", "prefill_attention",
-               "decode_scores_len", "stack_layout", "moe_experts", "qdot_use_vnni", "sample_rows"}
+               "decode_scores_len", "stack_layout", "moe_experts", "qdot_use_vnni", "sample_rows",
+               "logprob_rows"}
 # the end of the compiler's output kept in the warning: where its last (often fatal) error is
 STDERR_CHARS = 4000
 

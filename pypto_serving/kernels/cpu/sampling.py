@@ -1,12 +1,14 @@
-"""sampling.c: greedy sampling's argmax, with torch.argmax's contract, random sampling's draw and
-grammars' token masks."""
+"""sampling.c: greedy sampling's argmax, with torch.argmax's contract, random sampling's draw,
+grammars' token masks and the logprobs fields."""
 
 from __future__ import annotations
 
 import torch
 
 from pypto_serving.kernels.cpu import library
-from pypto_serving.kernels.sampling import SamplingTensors, draw_portable
+from pypto_serving.kernels.sampling import SamplingTensors, TokenLogprobs, draw_portable, token_logprobs
+
+TOP_LOGPROBS = 64  # beyond this many, torch's topk (the C kernel keeps them by insertion)
 
 
 def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
@@ -49,3 +51,20 @@ def mask_tokens_cpu(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Ten
     library().mask_tokens(logits.data_ptr(), b, v, logits.stride(0), out.data_ptr(), out.stride(0),
                           rows.data_ptr(), rows.shape[0], bitmask.data_ptr(), words)
     return out
+
+
+def logprobs_cpu(logits: torch.Tensor, chosen: torch.Tensor, k: int, ranks: bool = False) -> TokenLogprobs:
+    """`token_logprobs`' answer for float32 rows (sampling.c's logprob_rows; the rank comes
+    free, so it is always there); rows with a NaN or no finite logit take torch's (NaN)."""
+    if k > TOP_LOGPROBS:
+        return token_logprobs(logits, chosen, k, ranks)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, width = logits.shape
+    chosen = chosen.to(torch.int64).contiguous()
+    value, rank = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+    top_ids, top_values = torch.empty(rows, k, dtype=torch.int64), torch.empty(rows, k)
+    if library().logprob_rows(logits.data_ptr(), rows, width, logits.stride(0), chosen.data_ptr(), k,
+                              value.data_ptr(), rank.data_ptr(), top_ids.data_ptr(), top_values.data_ptr()):
+        return token_logprobs(logits, chosen, k, ranks)
+    return TokenLogprobs(value, rank, top_ids if k else None, top_values if k else None)
