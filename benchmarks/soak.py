@@ -7,14 +7,14 @@ Starts a pypto-serving itself (flags after `--server-args`) or targets a running
     python benchmarks/soak.py --url http://127.0.0.1:8000 --server-pid 1234
 
 The mix is seeded: /v1/completions and /v1/chat/completions, streamed and not, 1-16 tokens;
-stop strings, n=2, logprobs, top-k/top-p/min-p cuts and penalties; streams the client drops
-after the first chunk or after a random delay; requests cancelled before the reply; invalid
-bodies that must get a 400 (counted apart, not as errors). The first --warmup requests are part
-of --requests; the RSS of the server and of its children (the device worker) is taken once the
-server is idle after them, and again at the end. Exits 1 on any error (a 5xx, a connection
-error, a stream without [DONE] or with an error event, finish_reason "error"), on a KV cache
-not empty once idle (running, waiting and blocks in use all 0; cached prefix blocks are free)
-or on RSS growth above --max-rss-growth percent.
+stop strings, n=2, logprobs (the prompt's too: echo, prompt_logprobs), top-k/top-p/min-p cuts
+and penalties; streams the client drops after the first chunk or after a random delay; requests
+cancelled before the reply; invalid bodies that must get a 400 (counted apart, not as errors).
+The first --warmup requests are part of --requests; the RSS of the server and of its children
+(the device worker) is taken once the server is idle after them, and again at the end. Exits 1
+on any error (a 5xx, a connection error, a stream without [DONE] or with an error event,
+finish_reason "error"), on a KV cache not empty once idle (running, waiting and blocks in use
+all 0; cached prefix blocks are free) or on RSS growth above --max-rss-growth percent.
 
 KV cache pages count in RSS only once first written, and with prefix caching the allocator
 hands out never-used blocks before it evicts cached ones, so RSS grows until every block was
@@ -110,6 +110,9 @@ def make_spec(rng: random.Random, kind: str, max_len: int) -> Spec:
         case "logprobs":
             body.update({"logprobs": True, "top_logprobs": rng.randint(0, 3)} if chat
                         else {"logprobs": rng.randint(0, 3)})
+            if not chat and rng.random() < 0.5:  # the prompt's too (a cached prefix's rows included)
+                body.update({"echo": True} if stream or rng.random() < 0.5  # (a stream has no other way)
+                            else {"prompt_logprobs": rng.randint(0, 3)})
         case "abort_first_chunk":
             abort = "first_chunk"
         case "abort_delay":

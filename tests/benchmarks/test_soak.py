@@ -47,6 +47,7 @@ def test_workload_covers_every_kind() -> None:
     assert all(b.get("n", 1) == s.n == (2 if s.kind == "n2" else 1) for s, b in bodies.items())
     sent = {key for b in bodies.values() for key in b}  # every cut and penalty the sampler takes
     assert {"top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"} <= sent
+    assert {"echo", "prompt_logprobs"} <= sent  # the prompt's logprobs too
 
 
 def test_rss_growth_and_failures() -> None:
