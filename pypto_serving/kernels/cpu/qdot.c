@@ -144,10 +144,10 @@ INLINE __m256i centred(__m256i dot, const int32_t *shift, const int bits, const 
         else CALL(8, 0);                                                                               \
     } while (0)
 
-/* Mixed activations: a wide group's residual plane (step: its int8 step d / LO_STEPS), summed
- * apart from the int8 steps (wide_pass, row_panel). */
-INLINE __m256 lo_step(__m256 acc, __m256i lo_dot, float step, __m256 scale) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot), _mm256_mul_ps(_mm256_set1_ps(step), scale), acc);
+/* Mixed activations: a wide group's residual plane (d: the int8 step), summed apart from the
+ * int8 steps (wide_pass, row_panel). */
+INLINE __m256 lo_step(__m256 acc, __m256i lo_dot, float d, __m256 scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dot), _mm256_mul_ps(_mm256_set1_ps(d / LO_STEPS), scale), acc);
 }
 
 /* ---- activations ---- */
@@ -334,8 +334,8 @@ INLINE void row_panel(const Rows *x, const uint8_t *q, const uint16_t *scale, co
         acc0 = group_step(acc0, d0, x->d[g], x->sx[g], s0, zeros8(zero, g * NB), zeros);
         acc1 = group_step(acc1, d1, x->d[g], x->sx[g], s1, zeros8(zero, g * NB + 8), zeros);
         if (two && x->wide) {
-            lo0 = lo_step(lo0, l0, x->d[g] / LO_STEPS, s0);
-            lo1 = lo_step(lo1, l1, x->d[g] / LO_STEPS, s1);
+            lo0 = lo_step(lo0, l0, x->d[g], s0);
+            lo1 = lo_step(lo1, l1, x->d[g], s1);
         }
     }
     if (x->wide) {
@@ -596,8 +596,8 @@ VNNI_INLINE __m512i tile_sums(__m512i t, const int32_t *shift, const int bits, c
     return centred_vnni(unshift(t, shift, bits), shift, bits, zeros);
 }
 
-VNNI_INLINE __m512 lo_step_vnni(__m512 acc, __m512i lo_dot, float step, __m512 scale) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot), _mm512_mul_ps(_mm512_set1_ps(step), scale), acc);
+VNNI_INLINE __m512 lo_step_vnni(__m512 acc, __m512i lo_dot, float d, __m512 scale) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot), _mm512_mul_ps(_mm512_set1_ps(d / LO_STEPS), scale), acc);
 }
 
 VNNI_INLINE __m512i planes_dot_vnni(__m512i hi, __m512i lo) {
@@ -766,7 +766,7 @@ VNNI_INLINE void row_panel_vnni(const Rows *x, const uint8_t *q, const uint16_t 
         t = centred_vnni(t, x->shift + g, bits, zeros);
         if (two) l = centred_vnni(l, x->lo_shift + g, bits, zeros);
         acc = group_step_vnni(acc, two && !x->wide ? planes_dot_vnni(t, l) : t, x->d[g], x->sx[g], s, z, zeros);
-        if (two && x->wide) lo = lo_step_vnni(lo, l, x->d[g] / LO_STEPS, s);
+        if (two && x->wide) lo = lo_step_vnni(lo, l, x->d[g], s);
     }
     if (x->wide) acc = _mm512_add_ps(acc, lo);
     _mm512_storeu_ps(y, bias ? _mm512_add_ps(acc, _mm512_loadu_ps(bias)) : acc);
@@ -812,13 +812,11 @@ INLINE void panel_tiles(const Rows *x, int64_t m, Panel p, const int bits, const
 }
 
 /* Mixed activations: the lists of rows 0 .. m - 1 that have each group wide, rows in order
- * (group g's are rows [start[g], start[g + 1])) with each one's residual step there (d /
- * LO_STEPS, divided once a call rather than once a panel: the wide pass's share of a 2048-token
- * SmolLM2 prefill went from 15.6% to 13.0%), and room for the rows' residual sums against one
- * panel (lo [m][16]). Per thread, reused across calls. */
+ * (group g's are rows [start[g], start[g + 1])), and room for the rows' residual sums against
+ * one panel (lo [m][16]). Per thread, reused across calls. */
 typedef struct {
     int32_t *start, *rows;
-    float *step, *lo;
+    float *lo;
 } WideRows;
 
 static __thread void *wide_buf;
@@ -828,9 +826,8 @@ static __thread size_t wide_len;
 static WideRows wide_rows(const Rows *x, int64_t m, int64_t groups) {
     const int64_t words = WIDE_WORDS(groups);
     const size_t lists = ((size_t)(groups + 1 + m * groups) * sizeof(int32_t) + 31) / 32 * 32,
-                 steps = ((size_t)m * groups * sizeof(float) + 31) / 32 * 32,
-                 need = lists + steps + (size_t)m * NB * sizeof(float);
-    WideRows w = {0, 0, 0, 0};
+                 need = lists + (size_t)m * NB * sizeof(float);
+    WideRows w = {0, 0, 0};
     if (wide_len < need) {
         free(wide_buf);
         wide_buf = aligned_alloc(32, need);
@@ -839,25 +836,20 @@ static WideRows wide_rows(const Rows *x, int64_t m, int64_t groups) {
     if (!wide_buf) return w;
     w.start = wide_buf;
     w.rows = w.start + groups + 1;
-    w.step = (float *)((char *)wide_buf + lists);
-    w.lo = (float *)((char *)wide_buf + lists + steps);
+    w.lo = (float *)((char *)wide_buf + lists);
     int32_t n = 0;
     for (int64_t g = 0; g < groups; g++) {
         w.start[g] = n;
         for (int64_t r = 0; r < m; r++)
-            if (is_wide(x->wide + r * words, g)) {
-                w.step[n] = x->d[r * groups + g] / LO_STEPS;
-                w.rows[n++] = (int32_t)r;
-            }
+            if (is_wide(x->wide + r * words, g)) w.rows[n++] = (int32_t)r;
     }
     w.start[groups] = n;
     return w;
 }
 
-/* n (1 .. 3) rows' residual planes of group g (step: theirs) against one panel, added to their
- * sums lo [r][16]. */
-INLINE void wide_group(const Rows *x, const int32_t *rows, const float *step, const int n, const __m256i *qg,
-                       int64_t g, __m256 s0, __m256 s1, const int bits, const int zeros, int64_t k, float *lo) {
+/* n (1 .. 3) rows' residual planes of group g against one panel, added to their sums lo [r][16]. */
+INLINE void wide_group(const Rows *x, const int32_t *rows, const int n, const __m256i *qg, int64_t g, __m256 s0,
+                       __m256 s1, const int bits, const int zeros, int64_t k, float *lo) {
     const int8_t *xl[MR];
     __m256i t[MR][2];
     for (int i = 0; i < n; i++) xl[i] = x->lo + rows[i] * k;
@@ -865,11 +857,11 @@ INLINE void wide_group(const Rows *x, const int32_t *rows, const float *step, co
     else group_dots(qg, xl, g * GROUP, n, bits, t);
     for (int i = 0; i < n; i++) {
         const int64_t at = rows[i] * (k / GROUP) + g;
-        float *l = lo + rows[i] * NB;
+        float d = x->d[at], *l = lo + rows[i] * NB;
         _mm256_store_ps(l, lo_step(_mm256_load_ps(l), centred(widen(t[i][0], bits), x->lo_shift + at, bits, zeros),
-                                   step[i], s0));
+                                   d, s0));
         _mm256_store_ps(l + 8, lo_step(_mm256_load_ps(l + 8),
-                                       centred(widen(t[i][1], bits), x->lo_shift + at, bits, zeros), step[i], s1));
+                                       centred(widen(t[i][1], bits), x->lo_shift + at, bits, zeros), d, s1));
     }
 }
 
@@ -887,28 +879,24 @@ INLINE void wide_pass(const Rows *x, const WideRows *w, int64_t m, Panel p, cons
     memset(lo, 0, (size_t)m * NB * sizeof(float));
     for (int64_t g = 0; g < groups; g++) {
         const int32_t *rows = w->rows + w->start[g];
-        const float *step = w->step + w->start[g];
         const int64_t n = w->start[g + 1] - w->start[g];
         if (!n) continue;
         const __m256i *qg = p.quads + g * 2 * QUADS;
         __m256 s0 = _mm256_load_ps(p.sz + g * 2 * NB), s1 = _mm256_load_ps(p.sz + g * 2 * NB + 8);
         int64_t i = 0;
-#define WIDE_GROUP(N, B) wide_group(x, rows + i, step + i, N, qg, g, s0, s1, B, zeros, k, lo)
         if (bits == 5) /* group_dots5 takes two rows at most (tile5) */
-            for (; i + 2 <= n; i += 2) WIDE_GROUP(2, 5);
+            for (; i + 2 <= n; i += 2) wide_group(x, rows + i, 2, qg, g, s0, s1, 5, zeros, k, lo);
         else {
-            for (; i + MR <= n; i += MR) WIDE_GROUP(MR, bits);
-            if (n - i == 2) WIDE_GROUP(2, bits);
+            for (; i + MR <= n; i += MR) wide_group(x, rows + i, MR, qg, g, s0, s1, bits, zeros, k, lo);
+            if (n - i == 2) wide_group(x, rows + i, 2, qg, g, s0, s1, bits, zeros, k, lo);
         }
-        if (n - i == 1) WIDE_GROUP(1, bits);
-#undef WIDE_GROUP
+        if (n - i == 1) wide_group(x, rows + i, 1, qg, g, s0, s1, bits, zeros, k, lo);
     }
 }
 
 /* As wide_group, with VNNI tiles (n rows: 1 .. MR_VNNI). */
-VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const float *step, const int n,
-                                 const __m512i *qg, int64_t g, __m512 scale, const int bits, const int zeros,
-                                 int64_t k, float *lo) {
+VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const int n, const __m512i *qg, int64_t g,
+                                 __m512 scale, const int bits, const int zeros, int64_t k, float *lo) {
     const int8_t *xl[MR_VNNI];
     __m512i t[MR_VNNI];
     for (int i = 0; i < n; i++) xl[i] = x->lo + rows[i] * k;
@@ -916,7 +904,7 @@ VNNI_INLINE void wide_group_vnni(const Rows *x, const int32_t *rows, const float
     for (int i = 0; i < n; i++) {
         float *l = lo + rows[i] * NB;
         const int64_t at = rows[i] * (k / GROUP) + g;
-        _mm512_storeu_ps(l, lo_step_vnni(_mm512_loadu_ps(l), tile_sums(t[i], x->lo_shift + at, bits, zeros), step[i],
+        _mm512_storeu_ps(l, lo_step_vnni(_mm512_loadu_ps(l), tile_sums(t[i], x->lo_shift + at, bits, zeros), x->d[at],
                                          scale));
     }
 }
@@ -928,17 +916,14 @@ VNNI_INLINE void wide_pass_vnni_bits(const Rows *x, const WideRows *w, int64_t m
     memset(lo, 0, (size_t)m * NB * sizeof(float));
     for (int64_t g = 0; g < groups; g++) {
         const int32_t *rows = w->rows + w->start[g];
-        const float *step = w->step + w->start[g];
         const int64_t n = w->start[g + 1] - w->start[g];
         const __m512i *qg = (const __m512i *)(p.quads + g * 2 * QUADS);
         const __m512 scale = _mm512_loadu_ps(p.sz + g * 2 * NB);
         int64_t i = 0;
-#define WIDE_GROUP(N) wide_group_vnni(x, rows + i, step + i, N, qg, g, scale, bits, zeros, k, lo)
-        for (; i + MR_VNNI <= n; i += MR_VNNI) WIDE_GROUP(MR_VNNI);
-        if (n - i >= 4) WIDE_GROUP(4), i += 4;
-        if (n - i >= 2) WIDE_GROUP(2), i += 2;
-        if (n - i == 1) WIDE_GROUP(1);
-#undef WIDE_GROUP
+        for (; i + MR_VNNI <= n; i += MR_VNNI) wide_group_vnni(x, rows + i, MR_VNNI, qg, g, scale, bits, zeros, k, lo);
+        if (n - i >= 4) wide_group_vnni(x, rows + i, 4, qg, g, scale, bits, zeros, k, lo), i += 4;
+        if (n - i >= 2) wide_group_vnni(x, rows + i, 2, qg, g, scale, bits, zeros, k, lo), i += 2;
+        if (n - i == 1) wide_group_vnni(x, rows + i, 1, qg, g, scale, bits, zeros, k, lo);
     }
 }
 
