@@ -81,8 +81,14 @@ def _cpu_flags() -> set[str]:
 
 
 def _build(compiler: str) -> Path:
-    """Compiles once per source version; concurrent builders race to an atomic rename."""
-    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    return build(SOURCES, HEADERS, compiler)
+
+
+def build(sources: list[Path], headers: list[Path], compiler: str) -> Path:
+    """The library of these sources (the headers they include beside them count in its version),
+    compiled once per version into the cache; concurrent builders race to an atomic rename.
+    `benchmarks/kernel_ab.py` builds other versions' sources with it."""
+    source = b"".join(path.read_bytes() for path in [*sources, *headers])
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir("kernels") / f"kernels-{digest}.so"
     if target.exists():
@@ -92,7 +98,7 @@ def _build(compiler: str) -> Path:
     log.info("compiling the C kernels (once per version)", compiler=compiler, cache=str(target.parent))
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        command = [compiler, *FLAGS, *map(str, SOURCES), "-lm", "-o", str(out)]
+        command = [compiler, *FLAGS, *map(str, sources), "-lm", "-o", str(out)]
         subprocess.run(command, check=True, capture_output=True)
         os.replace(out, target)
     log.info("C kernels compiled", seconds=round(time.monotonic() - start, 2))
