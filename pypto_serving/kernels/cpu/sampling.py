@@ -56,7 +56,7 @@ def mask_tokens_cpu(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Ten
 def logprobs_cpu(logits: torch.Tensor, chosen: torch.Tensor, k: int, ranks: bool = False) -> TokenLogprobs:
     """`token_logprobs`' answer for float32 rows (sampling.c's logprob_rows; the rank comes
     free, so it is always there); rows with a NaN or no finite logit take torch's (NaN)."""
-    if k > TOP_LOGPROBS:
+    if k > min(TOP_LOGPROBS, logits.shape[1]):  # (more than the vocabulary: torch's error)
         return token_logprobs(logits, chosen, k, ranks)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
