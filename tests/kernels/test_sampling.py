@@ -361,3 +361,5 @@ def test_the_c_logprobs_of_a_row_without_a_finite_logit_are_torch_s_nan() -> Non
     torch.testing.assert_close(got.chosen[0], logits[0].log_softmax(-1)[1])
     with pytest.raises(RuntimeError):  # more than the vocabulary: torch's error, not garbage
         logprobs_cpu(logits[:, :3], torch.tensor([0, 1, 2]), 4)
+    with pytest.raises(RuntimeError):  # a token outside it: torch's error, not a read past the row
+        logprobs_cpu(logits, torch.tensor([0, 300, 2]), 2)

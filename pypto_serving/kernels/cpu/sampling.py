@@ -56,12 +56,13 @@ def mask_tokens_cpu(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Ten
 def logprobs_cpu(logits: torch.Tensor, chosen: torch.Tensor, k: int, ranks: bool = False) -> TokenLogprobs:
     """`token_logprobs`' answer for float32 rows (sampling.c's logprob_rows; the rank comes
     free, so it is always there); rows with a NaN or no finite logit take torch's (NaN)."""
-    if k > min(TOP_LOGPROBS, logits.shape[1]):  # (more than the vocabulary: torch's error)
+    rows, width = logits.shape
+    chosen = chosen.to(torch.int64).contiguous()
+    outside = rows and not 0 <= int(chosen.min()) <= int(chosen.max()) < width
+    if k > min(TOP_LOGPROBS, width) or outside:  # (outside the vocabulary: torch's error)
         return token_logprobs(logits, chosen, k, ranks)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    rows, width = logits.shape
-    chosen = chosen.to(torch.int64).contiguous()
     value, rank = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
     top_ids, top_values = torch.empty(rows, k, dtype=torch.int64), torch.empty(rows, k)
     if library().logprob_rows(logits.data_ptr(), rows, width, logits.stride(0), chosen.data_ptr(), k,
