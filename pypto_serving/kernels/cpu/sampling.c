@@ -167,6 +167,13 @@ static inline __m256 load_padded(const float *p, int64_t i, int64_t n, float pad
     return _mm256_loadu_ps(tail);
 }
 
+/* v's 4 lanes summed in pairs, the one order every sum of weights here takes. */
+static inline double hsum4d(__m256d v) {
+    double lanes[4];
+    _mm256_storeu_pd(lanes, v);
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+
 /* w [n] = exp((x - mx) * inv_t), 0 where x is -inf or w is below min_p; block [n / BLOCK
  * rounded up] their sums by BLOCK, top [the same] their largest by BLOCK. Returns the sum of
  * them all. */
@@ -196,9 +203,7 @@ static double weights(const float *x, int64_t n, float mx, float inv_t, float mi
             s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
             high = _mm256_max_ps(high, e);
         }
-        double lanes[4];
-        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
-        block[b] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        block[b] = hsum4d(_mm256_add_pd(s0, s1));
         total += block[b];
         float highs[8];
         _mm256_storeu_ps(highs, high);
@@ -310,11 +315,8 @@ static int64_t draw_top_p(const float *w, int64_t n, double total, float p, doub
         int mask = _mm256_movemask_ps(keep);
         if (!mask) continue;
         __m256 kv = _mm256_and_ps(keep, v);
-        __m256d both = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(kv)),
-                                     _mm256_cvtps_pd(_mm256_extractf128_ps(kv, 1)));
-        double halves[4];
-        _mm256_storeu_pd(halves, both);
-        double here = (halves[0] + halves[1]) + (halves[2] + halves[3]);
+        double here = hsum4d(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(kv)),
+                                           _mm256_cvtps_pd(_mm256_extractf128_ps(kv, 1))));
         if (sum + here <= target) {
             sum += here;
             chosen = i + 31 - __builtin_clz((unsigned)mask); /* the last kept, should rounding fall short */
@@ -420,7 +422,7 @@ int64_t sample_rows(const float *x, int64_t rows, int64_t n, int64_t ld, const f
  * rank (1 + the tokens with a larger logit) and the k largest. torch's log_softmax, the
  * comparison for the rank and topk each pass over the whole [B, V] (2.2 ms for 16 rows of a
  * 49,152-token vocabulary, ~60 ms for a 256-row piece of prompt logprobs); this reads each row
- * twice and writes nothing but the answers. */
+ * twice (row_max, then everything else) and writes nothing but the answers. */
 
 /* Keeps (v, i) among the k largest so far, ids/values [k] holding *kept of them in descending
  * order; i ascends from call to call, so among equal values the lower index stays first. */
@@ -445,28 +447,14 @@ static inline void keep_top(float v, int64_t i, int64_t k, int64_t *kept, int64_
  * a row with a NaN or without a finite largest logit (log_softmax's answer there is NaN). */
 static int logprob_row(const float *x, int64_t n, int64_t chosen, int64_t k, float *value, int64_t *rank,
                        int64_t *top_ids, float *top_values) {
-    const __m256 c = _mm256_set1_ps(x[chosen]), ninf = _mm256_set1_ps(-INFINITY);
-    __m256 top = ninf, unordered = _mm256_setzero_ps();
-    __m256i above = _mm256_setzero_si256();
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256 v = load_padded(x, i, n, -INFINITY);
-        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        top = _mm256_max_ps(top, v);
-        above = _mm256_sub_epi32(above, _mm256_castps_si256(_mm256_cmp_ps(v, c, _CMP_GT_OQ)));
-    }
-    float lanes[8], mx = -INFINITY;
-    int32_t counts[8];
-    _mm256_storeu_ps(lanes, top);
-    _mm256_storeu_si256((__m256i *)counts, above);
-    int64_t larger = 0;
-    for (int j = 0; j < 8; j++) {
-        mx = lanes[j] > mx ? lanes[j] : mx;
-        larger += counts[j];
-    }
-    if (_mm256_movemask_ps(unordered) || !isfinite(mx)) return -1;
-    /* exp(x - max) summed in double; -inf gives 0 (exp8 alone clamps it to 1.6e-38) */
-    const __m256 vm = _mm256_set1_ps(mx);
+    int nan = 0;
+    const float mx = row_max(x, n, &nan);
+    if (nan || !isfinite(mx)) return -1;
+    /* one pass: exp(x - max) summed in double (-inf gives 0: exp8 alone clamps it to 1.6e-38),
+     * the logits above the chosen one's counted, the k largest kept */
+    const __m256 vm = _mm256_set1_ps(mx), c = _mm256_set1_ps(x[chosen]), ninf = _mm256_set1_ps(-INFINITY);
     __m256d lo = _mm256_setzero_pd(), hi = lo;
+    __m256i above = _mm256_setzero_si256();
     __m256 floor = ninf; /* the k-th largest once k are kept: only larger values get in */
     int64_t kept = 0;
     for (int64_t i = 0; i < n; i += 8) {
@@ -474,18 +462,21 @@ static int logprob_row(const float *x, int64_t n, int64_t chosen, int64_t k, flo
         const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, vm)));
         lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
         hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        above = _mm256_sub_epi32(above, _mm256_castps_si256(_mm256_cmp_ps(v, c, _CMP_GT_OQ)));
         for (int hits = k ? _mm256_movemask_ps(_mm256_cmp_ps(v, floor, _CMP_GT_OQ)) : 0; hits; hits &= hits - 1) {
             const int j = __builtin_ctz(hits);
             keep_top(x[i + j], i + j, k, &kept, top_ids, top_values);
         }
         if (kept == k && k) floor = _mm256_set1_ps(top_values[k - 1]);
     }
-    double sums[4];
-    _mm256_storeu_pd(sums, _mm256_add_pd(lo, hi));
-    const double lse = (double)mx + log((sums[0] + sums[1]) + (sums[2] + sums[3]));
+    const double lse = (double)mx + log(hsum4d(_mm256_add_pd(lo, hi)));
     for (int64_t i = 0; kept < k && i < n; i++) /* fewer than k finite logits: -inf ones, by index */
         if (x[i] == -INFINITY) keep_top(x[i], i, k, &kept, top_ids, top_values);
     for (int64_t j = 0; j < k; j++) top_values[j] = (float)((double)top_values[j] - lse);
+    int32_t counts[8];
+    _mm256_storeu_si256((__m256i *)counts, above);
+    int64_t larger = 0;
+    for (int j = 0; j < 8; j++) larger += counts[j];
     *value = (float)((double)x[chosen] - lse);
     *rank = larger + 1;
     return 0;
